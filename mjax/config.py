@@ -1,0 +1,245 @@
+"""Typed run configuration: model, parallel layout, precision, optimizer, training, data, checkpoint, logging.
+
+A `Config` is plain frozen data. `Config.validate()` raises `ConfigError` in plain words for every mistake that can
+be found from sizes alone, before anything is traced. Presets live in `configs/` (see `load_config`).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the flag to change."""
+
+
+def _field(default, flag: str | None = None, help: str = ""):
+    """A config field; `flag` is a short Megatron-style alias of its dotted flag name."""
+    meta = {"help": help}
+    if flag:
+        meta["flag"] = flag
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = _field("custom", help="Preset name, for logs.")
+    num_layers: int = _field(2, "num_layers")
+    hidden_size: int = _field(64, "hidden_size")
+    num_attention_heads: int = _field(4, "num_attention_heads")
+    num_query_groups: int | None = _field(None, "num_query_groups", "KV heads (GQA/MQA); None means MHA.")
+    kv_channels: int | None = _field(None, "kv_channels", "Head dim; None means hidden_size / heads.")
+    ffn_hidden_size: int = _field(256, "ffn_hidden_size")
+    vocab_size: int = _field(256, "vocab_size", "Tokenizer vocab; padded up for sharding.")
+    make_vocab_size_divisible_by: int = _field(128, "make_vocab_size_divisible_by")
+    max_position_embeddings: int = _field(2048, "max_position_embeddings")
+    normalization: str = _field("rmsnorm", "normalization", "rmsnorm | layernorm")
+    norm_epsilon: float = _field(1e-5, "norm_epsilon")
+    activation: str = _field("swiglu", "activation", "swiglu | gelu")
+    position_embedding_type: str = _field("rope", "position_embedding_type", "rope | learned")
+    rotary_base: float = _field(10000.0, "rotary_base")
+    rope_scaling: str = _field("none", "rope_scaling", "none | llama3")
+    rope_scaling_factor: float = _field(8.0, "rope_scaling_factor")
+    rope_low_freq_factor: float = _field(1.0)
+    rope_high_freq_factor: float = _field(4.0)
+    rope_original_max_positions: int = _field(8192)
+    add_bias_linear: bool = _field(False, "add_bias_linear", "Biases on every linear layer (GPT-2).")
+    add_qkv_bias: bool = _field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
+    untie_embeddings_and_output_weights: bool = _field(True, "untie_embeddings_and_output_weights")
+    sliding_window: int | None = _field(None, "window_size", "Sliding-window attention span (Mistral).")
+    init_method_std: float = _field(0.02, "init_method_std")
+    attention_impl: str = _field("auto", "attention_impl", "auto | xla | cudnn | pallas")
+    remat_policy: str = _field("none", "remat_policy", "none | selective | full")
+    remat_save_names: tuple[str, ...] = _field(
+        ("qkv_proj", "attn_context", "attn_out", "mlp_out"),
+        help="With remat_policy=selective: named activations kept; everything else is recomputed.")
+    scan_layers: bool = _field(True, help="Run the layer stack with lax.scan (one compiled layer).")
+    # Mixture of experts (data for presets; the MoE layers arrive with the MoE work).
+    num_experts: int | None = _field(None, "num_experts")
+    moe_router_topk: int = _field(2, "moe_router_topk")
+    moe_ffn_hidden_size: int | None = _field(None, "moe_ffn_hidden_size")
+    moe_shared_expert_intermediate_size: int | None = _field(None, "moe_shared_expert_intermediate_size")
+    moe_first_dense_layers: int = _field(0, help="Leading dense layers before MoE layers (DeepSeek).")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = _field(1, "tp", "Tensor-parallel size.")
+    pp: int = _field(1, "pp", "Pipeline-parallel size.")
+    vpp: int = _field(1, "vpp", "Virtual pipeline stages per device.")
+    ep: int = _field(1, "ep", "Expert-parallel size.")
+    cp: int = _field(1, "cp", "Context-parallel size.")
+    fsdp: int = _field(1, "fsdp", "Fully-sharded data-parallel size.")
+    dp: int = _field(-1, "dp", "Data-parallel size; -1 fills the remaining devices.")
+    sequence_parallel: bool = _field(False, "sequence_parallel")
+    use_distributed_optimizer: bool = _field(False, "use_distributed_optimizer", "ZeRO-1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    compute_dtype: str = _field("bfloat16", help="bfloat16 | float16 | float32 (--bf16/--fp16 set it).")
+    params_dtype: str = _field("float32", help="Master parameter dtype.")
+    loss_scale: float | None = _field(None, "loss_scale", "Static fp16 loss scale; None means dynamic.")
+    initial_loss_scale: float = _field(2.0**32, "initial_loss_scale")
+    min_loss_scale: float = _field(1.0, "min_loss_scale")
+    loss_scale_window: int = _field(1000, "loss_scale_window")
+    hysteresis: int = _field(2, "hysteresis")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str = _field("adamw", "optimizer", "adamw | sgd")
+    lr: float = _field(3e-4, "lr")
+    min_lr: float = _field(0.0, "min_lr")
+    lr_decay_style: str = _field("cosine", "lr_decay_style", "constant | linear | cosine | wsd")
+    lr_warmup_iters: int = _field(0, "lr_warmup_iters")
+    lr_decay_iters: int | None = _field(None, "lr_decay_iters", "None means train_iters.")
+    lr_wsd_decay_iters: int | None = _field(None, "lr_wsd_decay_iters", "WSD: length of the final decay.")
+    lr_wsd_decay_style: str = _field("linear", "lr_wsd_decay_style", "linear | cosine | exponential")
+    weight_decay: float = _field(0.1, "weight_decay")
+    adam_beta1: float = _field(0.9, "adam_beta1")
+    adam_beta2: float = _field(0.95, "adam_beta2")
+    adam_eps: float = _field(1e-8, "adam_eps")
+    clip_grad: float = _field(1.0, "clip_grad", "Global-norm clip; 0 disables.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    train_iters: int = _field(100, "train_iters")
+    global_batch_size: int = _field(8, "global_batch_size")
+    micro_batch_size: int | None = _field(None, "micro_batch_size", "None means no accumulation.")
+    seq_length: int = _field(128, "seq_length")
+    seed: int = _field(1234, "seed")
+    z_loss_coeff: float = _field(0.0, "z_loss_coeff", "Weight of log(Z)^2 in the loss (PaLM z-loss).")
+    on_nonfinite: str = _field("stop", "on_nonfinite", "stop | skip: a NaN/Inf loss or grad norm.")
+    eval_interval: int = _field(0, "eval_interval", "0 disables evaluation.")
+    eval_iters: int = _field(10, "eval_iters")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    mock_data: bool = _field(False, "mock_data", "Synthetic random tokens.")
+    data_path: tuple[str, ...] = _field((), "data_path", "Prefixes of .bin/.idx datasets, optionally weighted.")
+    split: str = _field("969,30,1", "split")
+    tokenizer_type: str = _field("sample", "tokenizer_type", "sample | huggingface | tiktoken")
+    tokenizer_model: str | None = _field(None, "tokenizer_model")
+    eod_mask_loss: bool = _field(False, "eod_mask_loss")
+    reset_position_ids: bool = _field(False, "reset_position_ids")
+    reset_attention_mask: bool = _field(False, "reset_attention_mask", "Segment ids at document boundaries.")
+    data_cache_path: str | None = _field(None, "data_cache_path")
+    prefetch: int = _field(2, help="Batches prepared ahead in a background thread.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = _field(None, "save")
+    load: str | None = _field(None, "load")
+    load_step: int | None = _field(None, "ckpt_step")
+    save_interval: int = _field(0, "save_interval")
+    keep: int | None = _field(None, "keep")
+    async_save: bool = _field(True, "async_save")
+    load_params_only: bool = _field(False, "load_params_only", "Weights only: fresh optimizer and step.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = _field(10, "log_interval")
+    metrics_file: str | None = _field(None, "metrics_file", "JSON lines, one per logged step.")
+    tensorboard_dir: str | None = _field(None, "tensorboard_dir")
+    progress: bool = _field(True, "progress", "A progress bar on a terminal.")
+    peak_tflops: float | None = _field(None, "peak_tflops", "MFU denominator; None means the device's.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def replace(self, **sections: dict[str, Any]) -> "Config":
+        """`cfg.replace(model={"num_layers": 4})` returns a copy with those fields changed."""
+        new = {}
+        for section, fields in sections.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"unknown config section {section!r}; known: {', '.join(SECTIONS)}")
+            current = getattr(self, section)
+            names = {f.name for f in dataclasses.fields(current)}
+            for k in fields:
+                if k not in names:
+                    raise ConfigError(f"unknown field {section}.{k}")
+            new[section] = dataclasses.replace(current, **fields)
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, num_devices: int = 1) -> "Config":
+        from mjax.config_validation import validate
+
+        validate(self, num_devices)
+        return self
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict`; lists become tuples; unknown keys are errors."""
+    sections = {}
+    for section, fields in d.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}")
+        sections[section] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return Config().replace(**sections)
+
+
+def configs_dir() -> Path:
+    return Path(os.environ.get("MJAX_CONFIGS_DIR", Path(__file__).resolve().parent.parent / "configs"))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in configs_dir().glob("*.py") if not p.stem.startswith("_"))
+
+
+def load_config(name_or_path: str) -> Config:
+    """A preset name (`llama3.2-1b`), a `.py` file defining `config() -> Config`, or a `.json` of `to_dict()`."""
+    path = Path(name_or_path)
+    if not path.suffix or not path.exists():
+        stem = name_or_path.replace(".", "_").replace("-", "_")
+        path = configs_dir() / f"{stem}.py"
+        if not path.exists():
+            raise ConfigError(
+                f"--config={name_or_path}: no such preset or file. Presets: {', '.join(preset_names())}")
+    if path.suffix == ".json":
+        return from_dict(json.loads(path.read_text()))
+    if path.suffix != ".py":
+        raise ConfigError(f"--config={name_or_path}: expected a preset name, a .py or a .json file")
+    spec = importlib.util.spec_from_file_location(f"mjax_preset_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "config"):
+        raise ConfigError(f"{path} defines no `config()` function returning mjax.config.Config")
+    return module.config()

@@ -1,0 +1,144 @@
+"""Plain-word checks of a Config, run before anything is traced. Each message names the flag to change."""
+
+import jax.numpy as jnp
+
+from mjax.config import Config, ConfigError
+
+REMAT_NAMES = ("qkv_proj", "attn_context", "attn_out", "mlp_hidden", "mlp_out", "norm")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+
+
+def _choice(value, allowed, flag):
+    if value not in allowed:
+        raise ConfigError(f"--{flag}={value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
+def _positive(value, flag):
+    if value is None or value <= 0:
+        raise ConfigError(f"--{flag} must be a positive number, got {value}")
+
+
+def resolve_data_parallel(cfg: Config, num_devices: int) -> int:
+    """The `dp` mesh-axis size: explicit, or the devices left after the other axes (dp=-1)."""
+    p = cfg.parallel
+    for name in ("tp", "pp", "vpp", "ep", "cp", "fsdp"):
+        _positive(getattr(p, name), name)
+    others = p.tp * p.pp * p.ep * p.cp * p.fsdp
+    if p.dp == -1:
+        if num_devices % others:
+            raise ConfigError(
+                f"{num_devices} devices cannot be split into tp={p.tp} x pp={p.pp} x ep={p.ep} x cp={p.cp} x "
+                f"fsdp={p.fsdp} (product {others}); change those flags so their product divides {num_devices}")
+        return num_devices // others
+    _positive(p.dp, "dp")
+    if others * p.dp != num_devices:
+        raise ConfigError(
+            f"the mesh tp={p.tp} x pp={p.pp} x ep={p.ep} x cp={p.cp} x fsdp={p.fsdp} x dp={p.dp} = "
+            f"{others * p.dp} devices, but {num_devices} are present; set --dp=-1 to fill them")
+    return p.dp
+
+
+def resolve_batch(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """(batch shards, micro-batch per shard, micro-batches per step) with Megatron's meaning:
+    global_batch_size = micro_batch_size x data-parallel size x number of micro-batches."""
+    t, p = cfg.train, cfg.parallel
+    _positive(t.global_batch_size, "global_batch_size")
+    shards = resolve_data_parallel(cfg, num_devices) * p.fsdp * p.ep
+    if t.global_batch_size % shards:
+        raise ConfigError(
+            f"--global_batch_size={t.global_batch_size} is not divisible by the data-parallel size {shards} "
+            f"(dp x fsdp x ep)")
+    micro = t.micro_batch_size or t.global_batch_size // shards
+    _positive(micro, "micro_batch_size")
+    if t.global_batch_size % (shards * micro):
+        raise ConfigError(
+            f"--global_batch_size={t.global_batch_size} is not divisible by data-parallel size {shards} "
+            f"x --micro_batch_size={micro}")
+    return shards, micro, t.global_batch_size // (shards * micro)
+
+
+def validate_model(cfg: Config) -> None:
+    m, tp = cfg.model, cfg.parallel.tp
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                 "make_vocab_size_divisible_by", "max_position_embeddings"):
+        _positive(getattr(m, name), f"model.{name}")
+    _choice(m.normalization, ("rmsnorm", "layernorm"), "model.normalization")
+    _choice(m.activation, ("swiglu", "gelu"), "model.activation")
+    _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
+    _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
+    _choice(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
+    _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
+    for name in m.remat_save_names:
+        _choice(name, REMAT_NAMES, "model.remat_save_names")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"--model.hidden_size={m.hidden_size} is not divisible by --model.num_attention_heads="
+            f"{m.num_attention_heads}; set --model.kv_channels explicitly or change one of them")
+    if m.num_attention_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"--model.num_attention_heads={m.num_attention_heads} is not a multiple of "
+            f"--model.num_query_groups={m.num_kv_heads}")
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim, got {m.head_dim} (--model.kv_channels)")
+    if m.sliding_window is not None:
+        _positive(m.sliding_window, "model.window_size")
+    if m.num_experts is not None:
+        _positive(m.num_experts, "model.num_experts")
+        if not 0 < m.moe_router_topk <= m.num_experts:
+            raise ConfigError(f"--model.moe_router_topk={m.moe_router_topk} must be in 1..num_experts")
+    if m.num_attention_heads % tp:
+        raise ConfigError(f"--model.num_attention_heads={m.num_attention_heads} is not divisible by --tp={tp}")
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise ConfigError(
+            f"--model.num_query_groups={m.num_kv_heads} and --tp={tp}: one must divide the other "
+            "(KV heads are split over tp, or replicated when fewer than tp)")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"--model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by --tp={tp}")
+    if m.position_embedding_type == "learned" and cfg.train.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            f"--seq_length={cfg.train.seq_length} exceeds --model.max_position_embeddings="
+            f"{m.max_position_embeddings} of the learned position table")
+
+
+def validate(cfg: Config, num_devices: int = 1) -> None:
+    validate_model(cfg)
+    p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
+    dp = resolve_data_parallel(cfg, num_devices)
+    if cfg.model.num_layers % (p.pp * p.vpp):
+        raise ConfigError(
+            f"--model.num_layers={cfg.model.num_layers} is not divisible by --pp={p.pp} x --vpp={p.vpp}")
+    if p.sequence_parallel and t.seq_length % p.tp:
+        raise ConfigError(f"--sequence_parallel: --seq_length={t.seq_length} is not divisible by --tp={p.tp}")
+    if t.seq_length % p.cp:
+        raise ConfigError(f"--seq_length={t.seq_length} is not divisible by --cp={p.cp}")
+
+    _positive(t.train_iters, "train_iters")
+    _positive(t.seq_length, "seq_length")
+    resolve_batch(cfg, num_devices)
+    _choice(t.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
+    if t.z_loss_coeff < 0:
+        raise ConfigError(f"--z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
+
+    _choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
+    _choice(pr.params_dtype, ("float32", "bfloat16", "float16"), "precision.params_dtype")
+    jnp.dtype(pr.compute_dtype)
+    if pr.loss_scale is not None and pr.loss_scale <= 0:
+        raise ConfigError(f"--loss_scale must be positive, got {pr.loss_scale}")
+
+    _choice(o.optimizer, ("adamw", "sgd"), "optimizer")
+    _choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")
+    _choice(o.lr_wsd_decay_style, ("linear", "cosine", "exponential"), "lr_wsd_decay_style")
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"need 0 <= --min_lr <= --lr, got min_lr={o.min_lr}, lr={o.lr}")
+    decay_iters = o.lr_decay_iters or t.train_iters
+    if o.lr_warmup_iters < 0 or o.lr_warmup_iters > decay_iters:
+        raise ConfigError(
+            f"--lr_warmup_iters={o.lr_warmup_iters} must be between 0 and the decay length {decay_iters}")
+    if o.lr_decay_style == "wsd" and not o.lr_wsd_decay_iters:
+        raise ConfigError("--lr_decay_style=wsd needs --lr_wsd_decay_iters (the length of the final decay)")
+    if o.clip_grad < 0:
+        raise ConfigError(f"--clip_grad must be >= 0, got {o.clip_grad}")
+
+    _positive(cfg.logging.log_interval, "log_interval")
+    if cfg.checkpoint.save_interval < 0:
+        raise ConfigError("--save_interval must be >= 0")
