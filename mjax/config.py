@@ -113,7 +113,7 @@ class OptimizerConfig:
     lr_warmup_iters: int = _field(0, "lr_warmup_iters")
     lr_decay_iters: int | None = _field(None, "lr_decay_iters", "None means train_iters.")
     lr_wsd_decay_iters: int | None = _field(None, "lr_wsd_decay_iters", "WSD: length of the final decay.")
-    lr_wsd_decay_style: str = _field("linear", "lr_wsd_decay_style", "linear | cosine | exponential")
+    lr_wsd_decay_style: str = _field("linear", "lr_wsd_decay_style", "linear | cosine | minus_sqrt")
     weight_decay: float = _field(0.1, "weight_decay")
     adam_beta1: float = _field(0.9, "adam_beta1")
     adam_beta2: float = _field(0.95, "adam_beta2")

@@ -127,7 +127,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
 
     _choice(o.optimizer, ("adamw", "sgd"), "optimizer")
     _choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")
-    _choice(o.lr_wsd_decay_style, ("linear", "cosine", "exponential"), "lr_wsd_decay_style")
+    _choice(o.lr_wsd_decay_style, ("linear", "cosine", "minus_sqrt"), "lr_wsd_decay_style")
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"need 0 <= --min_lr <= --lr, got min_lr={o.min_lr}, lr={o.lr}")
     decay_iters = o.lr_decay_iters or t.train_iters

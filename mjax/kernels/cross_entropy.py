@@ -1,0 +1,22 @@
+"""Token cross-entropy: the pure-JAX reference (fp32, padded vocab entries masked out, optional z-loss)."""
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy_reference(logits, targets, *, vocab_size: int, z_loss_coeff: float = 0.0):
+    """logits [B, T, Vp] (fp32), targets [B, T] -> (per-token loss [B, T], per-token log Z [B, T]).
+
+    Columns >= vocab_size are vocab padding: they take no probability mass. The loss includes
+    z_loss_coeff * logZ^2 when the coefficient is non-zero.
+    """
+    logits = logits.astype(jnp.float32)
+    if logits.shape[-1] > vocab_size:
+        pad = jnp.arange(logits.shape[-1]) >= vocab_size
+        logits = jnp.where(pad, -jnp.inf, logits)
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    loss = log_z - target_logit
+    if z_loss_coeff:
+        loss = loss + z_loss_coeff * jnp.square(log_z)
+    return loss, log_z

@@ -1,0 +1,40 @@
+"""Multi-head attention with GQA/MQA, RoPE, optional QKV bias and sliding window; the kernel is chosen by dispatch."""
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from mjax.kernels.attention import dot_product_attention
+from mjax.model.layers import Linear, output_std
+from mjax.model.rope import apply_rope, rope_frequencies
+from mjax.model.sharding import constrain
+
+QKV_AXES = ("batch", "seq", None, "head_dim")
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+        common = dict(std=cfg.init_method_std, use_bias=qkv_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear((d,), (n, h), in_axes=("embed",), out_axes=("heads", "head_dim"), **common)
+        self.k_proj = Linear((d,), (k, h), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **common)
+        self.v_proj = Linear((d,), (k, h), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **common)
+        self.o_proj = Linear((n, h), (d,), in_axes=("heads", "head_dim"), out_axes=("embed",), std=output_std(cfg),
+                             use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids=None):
+        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""
+        cfg = self.cfg
+        q = constrain(self.q_proj(x), ("batch", "seq", "heads", "head_dim"))  # [B, T, N, H]
+        k = constrain(self.k_proj(x), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, K, H]
+        v = constrain(self.v_proj(x), ("batch", "seq", "kv_heads", "head_dim"))
+        if cfg.position_embedding_type == "rope":
+            inv_freq = rope_frequencies(cfg)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
+        out = dot_product_attention(q, k, v, causal=True, sliding_window=cfg.sliding_window,
+                                    segment_ids=segment_ids, impl=cfg.attention_impl)  # [B, T, N, H]
+        out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attn_context")
+        return checkpoint_name(self.o_proj(out), "attn_out")

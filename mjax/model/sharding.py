@@ -1,0 +1,52 @@
+"""Logical axis names on parameters and activations. The model names axes; `mjax.parallel` maps them to a mesh.
+
+Parameters carry `logical_axes` metadata. Activations go through `constrain`, a no-op until a mesh and rules are
+set with `logical_sharding(mesh, rules)` (done by mjax.parallel, never by model code).
+"""
+
+import contextlib
+import contextvars
+
+import flax
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+# Variables are created unsharded; mjax places them itself from the logical names (see mjax.parallel).
+flax.config.update("flax_always_shard_variable", False)
+
+_CONTEXT = contextvars.ContextVar("mjax_logical_sharding", default=None)
+
+
+def param(value, axes: tuple[str | None, ...]) -> nnx.Param:
+    if len(axes) != value.ndim:
+        raise ValueError(f"logical axes {axes} do not match a parameter of shape {value.shape}")
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def logical_to_spec(axes, rules: dict) -> PartitionSpec:
+    """Maps logical names to mesh axes; a mesh axis is used at most once (later uses are left unsharded)."""
+    used, spec = set(), []
+    for name in axes:
+        mesh_axes = tuple(a for a in (rules.get(name) or ()) if a not in used)
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*spec)
+
+
+@contextlib.contextmanager
+def logical_sharding(mesh, rules: dict):
+    token = _CONTEXT.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def constrain(x, axes: tuple[str | None, ...]):
+    """Sharding constraint by logical names; identity when no mesh is active."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))

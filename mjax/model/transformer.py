@@ -1,0 +1,99 @@
+"""Decoder-only transformer: pre-norm blocks stacked on a leading `layers` axis and run with scan."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from mjax.model.attention import Attention
+from mjax.model.layers import Embed, Linear, make_norm
+from mjax.model.mlp import MLP
+from mjax.model.sharding import constrain, param
+
+RESIDUAL = ("batch", "residual_seq", "act_embed")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids):  # x: [B, T, D]
+        h = checkpoint_name(self.attn_norm(x), "norm")
+        x = constrain(x + self.attn(h, positions, segment_ids), RESIDUAL)
+        h = checkpoint_name(self.mlp_norm(x), "norm")
+        return constrain(x + self.mlp(h), RESIDUAL)
+
+
+def remat_policy(cfg):
+    """None (no remat), or a jax.checkpoint policy: 'full' saves nothing, 'selective' saves the named tensors."""
+    if cfg.remat_policy == "none":
+        return None
+    if cfg.remat_policy == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_only_these_names(*cfg.remat_save_names)
+
+
+class CausalLM(nnx.Module):
+    """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Layers live stacked in `self.layers`."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, tp: int = 1, rngs: nnx.Rngs):
+        if cfg.num_experts is not None:
+            raise NotImplementedError(
+                f"model {cfg.name!r} has num_experts={cfg.num_experts}: MoE layers are not implemented yet")
+        self.cfg, self.dtype = cfg, dtype
+        self.vocab = cfg.padded_vocab_size(tp)
+        d = cfg.hidden_size
+        self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.position_embedding_type == "learned":
+            self.pos_embed = param(cfg.init_method_std * jax.random.normal(
+                rngs.params(), (cfg.max_position_embeddings, d), param_dtype), (None, "embed"))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        for _, var in nnx.iter_graph(self.layers):  # stacked params gain a leading `layers` axis
+            if isinstance(var, nnx.Variable):
+                var.set_metadata("logical_axes", ("layers",) + var.get_metadata()["logical_axes"])
+        self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
+        if cfg.untie_embeddings_and_output_weights:
+            self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
+                                  std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None):
+        """The final-norm output [B, T, D] in compute dtype."""
+        cfg = self.cfg
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = self.embed(tokens)  # [B, T, D]
+        if cfg.position_embedding_type == "learned":
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
+        x = constrain(x, RESIDUAL)
+
+        graphdef, state = nnx.split(self.layers)
+
+        def layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions, segment_ids), None
+
+        policy = remat_policy(cfg)
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            x, _ = jax.lax.scan(layer, x, state)
+        else:
+            for i in range(cfg.num_layers):
+                x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], state))
+        return self.final_norm(x)
+
+    def logits(self, h):
+        """[B, T, D] -> fp32 logits [B, T, padded vocab]."""
+        out = self.embed.attend(h) if not self.cfg.untie_embeddings_and_output_weights else self.lm_head(h)
+        return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))

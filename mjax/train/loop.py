@@ -1,0 +1,188 @@
+"""The training loop: build the mesh, model and state, run the jitted step, evaluate, log."""
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from mjax.config_validation import resolve_batch
+from mjax.model import build_model, logical_sharding
+from mjax.model.functional import count_params
+from mjax.parallel.mesh import describe, make_mesh
+from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
+from mjax.train.logger import MetricsLogger
+from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
+from mjax.train.optimizer import lr_schedule, make_optimizer
+from mjax.train.state import TrainState
+from mjax.train.step import make_eval_step, make_train_step
+
+log = logging.getLogger("mjax")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/Inf and --on_nonfinite=stop."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: TrainState
+    history: list  # the logged records
+    eval_history: list
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything built from a config before the first step."""
+    cfg: object
+    mesh: object
+    model: object
+    tx: object
+    schedule: object
+    state_sharding: object
+    batch_sharding: object
+    micro_batches: int
+
+    def init_state(self, seed: int) -> TrainState:
+        key = jax.random.key(seed)
+        init_key, rng = jax.random.split(key)
+
+        def create(k):
+            return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision)
+
+        with logical_sharding(self.mesh, logical_rules(self.cfg)):
+            return jax.jit(create, out_shardings=self.state_sharding)(init_key)
+
+    def place_batch(self, batch: dict) -> dict:
+        """Process-local numpy [local batch, seq] -> global arrays [micro-batches, batch / micro-batches, seq]."""
+        out = {}
+        for name, x in batch.items():
+            local = x.reshape(self.micro_batches, x.shape[0] // self.micro_batches, *x.shape[1:])
+            global_shape = (self.micro_batches, local.shape[1] * jax.process_count(), *x.shape[1:])
+            out[name] = jax.make_array_from_process_local_data(self.batch_sharding, local, global_shape)
+        return out
+
+
+def build(cfg, devices=None) -> Setup:
+    devices = list(jax.devices() if devices is None else devices)
+    cfg.validate(len(devices))
+    mesh = make_mesh(cfg, devices)
+    rules = logical_rules(cfg)
+    _, _, micro_batches = resolve_batch(cfg, len(devices))
+    model = build_model(cfg.model, cfg.precision, tp=cfg.parallel.tp)
+    schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
+    tx = make_optimizer(cfg.optimizer, cfg.train.train_iters)
+    abstract_params = model.abstract_params()
+    p_sharding = param_shardings(mesh, model.logical_axes(), rules, abstract_params)
+    abstract_state = jax.eval_shape(
+        lambda p: TrainState.create(p, tx, jax.random.key(0), cfg.precision), abstract_params)
+    return Setup(cfg, mesh, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding),
+                 batch_sharding(mesh), micro_batches)
+
+
+def _log_startup(setup: Setup, state, flops):
+    cfg, m = setup.cfg, setup.cfg.model
+    n = count_params(state.params)
+    log.info("model %s: %.3fB parameters, %d layers, hidden %d, heads %d/%d, vocab %d (padded %d)", m.name, n / 1e9,
+             m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.vocab_size,
+             setup.model.vocab_size)
+    log.info("mesh %s over %d %s devices; micro-batches per step %d", describe(setup.mesh), setup.mesh.size,
+             jax.devices()[0].platform, setup.micro_batches)
+    log.info("precision: compute %s, params %s; %.3f TFLOP per step (Megatron formula)",
+             cfg.precision.compute_dtype, cfg.precision.params_dtype, flops / 1e12)
+
+
+def evaluate(eval_fn, params, batches, setup) -> float:
+    """Mean token loss over the validation batches (each a whole global batch, no accumulation)."""
+    sharding = batch_sharding(setup.mesh, ndim=2, leading=False)
+    total, count = 0.0, 0.0
+    for batch in batches:
+        placed = {k: jax.make_array_from_process_local_data(
+            sharding, v, (v.shape[0] * jax.process_count(), *v.shape[1:])) for k, v in batch.items()}
+        s, c = eval_fn(params, placed)
+        total, count = total + float(s), count + float(c)
+    return total / max(count, 1.0)
+
+
+def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
+    """Trains for cfg.train.train_iters steps. `data` is (train iterator, valid-batches factory or None)."""
+    setup = build(cfg, devices)
+    if data is None:
+        from mjax.data import build_data_iterators  # noqa: PLC0415
+
+        data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    train_iter, valid_batches = data
+    state = state if state is not None else setup.init_state(cfg.train.seed)
+    flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
+    _log_startup(setup, state, flops)
+    peak = peak_tflops(override=cfg.logging.peak_tflops)
+    rules = logical_rules(cfg)
+
+    with logical_sharding(setup.mesh, rules):
+        step_fn = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
+                          in_shardings=(setup.state_sharding, setup.batch_sharding),
+                          out_shardings=(setup.state_sharding, None), donate_argnums=0)
+        eval_fn = jax.jit(make_eval_step(setup.model, cfg))
+        first = setup.place_batch(next(train_iter))
+        t0 = time.perf_counter()
+        compiled = step_fn.lower(state, first).compile()
+        compile_s = time.perf_counter() - t0
+        log.info("compiled the train step in %.1fs", compile_s)
+
+        logger = MetricsLogger(cfg, int(state.step))
+        history, eval_history = [], []
+        start = int(state.step)
+        batch, last_t, last_step = first, time.perf_counter(), start
+        try:
+            for step in range(start + 1, cfg.train.train_iters + 1):
+                state, metrics = compiled(state, batch)
+                if step < cfg.train.train_iters:
+                    batch = setup.place_batch(next(train_iter))
+                if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
+                    metrics = jax.device_get(metrics)
+                    now = time.perf_counter()
+                    step_time = (now - last_t) / (step - last_step)
+                    record = _record(step, metrics, state, step_time, cfg, flops, peak, setup.mesh.size, compile_s)
+                    last_t, last_step = now, step
+                    _check_finite(state, cfg)
+                    history.append(record)
+                    logger.log(record)
+                logger.progress.update(step)
+                if valid_batches is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+                    loss = evaluate(eval_fn, state.params, valid_batches(), setup)
+                    eval_history.append({"step": step, "eval_loss": loss})
+                    log.info("step %6d | eval loss %.4f | eval ppl %.2f", step, loss, float(np.exp(min(loss, 50))))
+                    last_t = time.perf_counter()
+        finally:
+            logger.close()
+            if hasattr(train_iter, "close"):
+                train_iter.close()
+    return TrainResult(state, history, eval_history)
+
+
+def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, compile_s) -> dict:
+    tflops = flops / step_time / num_devices / 1e12
+    return {
+        "step": step,
+        "loss": float(metrics["loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        "lr": float(metrics["lr"]),
+        "z_loss": float(metrics["z_loss"]),
+        "loss_scale": float(metrics["loss_scale"]) if cfg.precision.compute_dtype == "float16" else None,
+        "step_time_s": step_time,
+        "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_length / step_time,
+        "tflops_per_device": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_memory_bytes": peak_memory_bytes(),
+        "skipped_steps": int(state.skipped_steps),
+        "compile_s": compile_s,
+    }
+
+
+def _check_finite(state, cfg):
+    first = int(state.first_nonfinite_step)
+    if first >= 0 and cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"the loss or gradient norm was NaN/Inf at step {first + 1}; that update and later ones were not "
+            "applied. Lower --lr, check the data, or pass --on_nonfinite=skip to skip such steps and continue")

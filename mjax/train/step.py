@@ -1,0 +1,82 @@
+"""The train step `(state, batch) -> (state, metrics)`: micro-batch gradient accumulation, fp16 loss scaling,
+global-norm clipping, and updates that are never applied when the loss or gradients are not finite."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mjax.kernels.cross_entropy import cross_entropy_reference
+from mjax.train.state import TrainState
+
+
+def token_losses(model, params, batch, z_loss_coeff: float):
+    """Per-token loss [B, T] (fp32) of one micro-batch, and the per-token log Z."""
+    logits = model.apply(params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    return cross_entropy_reference(logits, batch["targets"], vocab_size=model.cfg.vocab_size,
+                                   z_loss_coeff=z_loss_coeff)
+
+
+def make_train_step(model, cfg, tx, schedule):
+    """`batch` arrays are [micro-batches, batch, seq]; the loss is the mean over every unmasked token of the step,
+    so accumulating micro-batches gives exactly the large-batch gradient."""
+    precision, z_coeff, clip = cfg.precision, cfg.train.z_loss_coeff, cfg.optimizer.clip_grad
+    fp16 = precision.compute_dtype == "float16"
+    dynamic_scale = fp16 and precision.loss_scale is None
+    stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
+
+    def micro_loss(params, micro, denom, scale):
+        loss, log_z = token_losses(model, params, micro, z_coeff)
+        mask = micro["loss_mask"]
+        total = jnp.sum(loss * mask)
+        return total * scale / denom, (total, jnp.sum(jnp.square(log_z) * mask))
+
+    def step(state: TrainState, batch):
+        denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        scale = state.loss_scale.scale if fp16 else jnp.ones((), jnp.float32)
+        grad_fn = jax.grad(micro_loss, has_aux=True)
+
+        def accumulate(carry, micro):
+            grads, loss_sum, z_sum = carry
+            g, (l, z) = grad_fn(state.params, micro, denom, scale)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, z_sum + z), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+
+        loss = loss_sum / denom
+        grad_norm = optax.global_norm(grads)
+        loss_finite = jnp.isfinite(loss)
+        finite = loss_finite & jnp.isfinite(grad_norm)
+        if clip > 0:
+            factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor, grads)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        # An fp16 overflow with dynamic scaling is routine (skip and shrink the scale); any other NaN/Inf is recorded,
+        # and with on_nonfinite=stop no update is applied from then on (the loop raises at its next check).
+        bad = ~loss_finite if dynamic_scale else ~finite
+        first_bad = jnp.where((state.first_nonfinite_step < 0) & bad, state.step, state.first_nonfinite_step)
+        apply = finite & ~(stop_on_nonfinite & (first_bad >= 0))
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+        new_state = state.replace(
+            step=state.step + 1, params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+            loss_scale=state.loss_scale.update(finite, precision, dynamic_scale),
+            first_nonfinite_step=first_bad, skipped_steps=state.skipped_steps + (~apply).astype(jnp.int32))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "z_loss": z_sum / denom, "num_tokens": denom,
+                   "loss_scale": state.loss_scale.scale, "update_applied": apply,
+                   "lr": schedule(state.step - state.skipped_steps)}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(model, cfg):
+    def eval_step(params, batch):  # batch: [batch, seq]
+        loss, _ = token_losses(model, params, batch, 0.0)
+        return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
+
+    return eval_step
