@@ -1,0 +1,85 @@
+"""From a `Config` to the train iterator and the validation-iterator factory the training loop consumes."""
+
+import numpy as np
+
+from mjax.config import Config, ConfigError
+from mjax.data.blend import BlendedDataset, parse_data_path
+from mjax.data.dataset import SPLITS, GPTDataset, parse_split, split_ranges
+from mjax.data.indexed import DataError, IndexedDataset
+from mjax.data.loader import DataIterator, MockDataset, batch_fn_for
+from mjax.data.preprocess import sample_corpus_prefix
+from mjax.data.tokenizer import Tokenizer, build_tokenizer
+
+_CHECKED_TOKENS = 1 << 20  # tokens at the start of each dataset checked against the tokenizer's vocab
+
+
+def open_dataset(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
+    """Opens an indexed dataset and checks that its token ids fit the tokenizer (so it was made with that one)."""
+    ds = IndexedDataset(prefix)
+    flags = f"--tokenizer_type / --tokenizer_model (now {tokenizer.name}, {tokenizer.vocab_size} tokens)"
+    if np.iinfo(ds.dtype).max < tokenizer.vocab_size - 1:
+        raise DataError(f"{ds.bin_path} stores {ds.dtype} token ids, too narrow for the tokenizer's vocab: it was made "
+                        f"with another tokenizer. Check {flags}")
+    n = int(np.searchsorted(np.cumsum(ds.sequence_lengths, dtype=np.int64), _CHECKED_TOKENS)) + 1
+    head = [ds[i] for i in range(min(n, len(ds)))]
+    top = max((int(t.max()) for t in head if t.size), default=-1)
+    if top >= tokenizer.vocab_size or min((int(t.min()) for t in head if t.size), default=0) < 0:
+        raise DataError(f"{ds.bin_path} holds token id {top}, outside the tokenizer's vocab: it was made with another "
+                        f"tokenizer. Check {flags}")
+    return ds
+
+
+def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str, object | None]:
+    """{"train" | "valid" | "test": a dataset indexable by global sample number, or None for an empty split}."""
+    d, t = cfg.data, cfg.train
+    if d.mock_data:
+        return {name: MockDataset(cfg.model.vocab_size, t.seq_length, t.seed + k) for k, name in enumerate(SPLITS)}
+    tokenizer = tokenizer or build_tokenizer(d)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but --vocab_size="
+                          f"{cfg.model.vocab_size}; set --vocab_size={tokenizer.vocab_size}")
+    if d.data_path:
+        prefixes, weights = parse_data_path(d.data_path)
+    else:
+        prefixes, weights = [sample_corpus_prefix(d.data_cache_path)], [1.0]
+    indexed = [open_dataset(p, tokenizer) for p in prefixes]
+    fractions = parse_split(d.split)
+    out = {}
+    for s, name in enumerate(SPLITS):
+        if fractions[s] == 0:
+            out[name] = None
+            continue
+        parts = [GPTDataset(ix, split_ranges(fractions, len(ix))[s], t.seq_length, t.seed, s, k)
+                 for k, ix in enumerate(indexed)]
+        split_weights = weights or [p.num_tokens / max(sum(q.num_tokens for q in parts), 1) for p in parts]
+        for p, w in zip(parts, split_weights):
+            if w > 0 and p.samples_per_epoch == 0:
+                raise DataError(f"the {name} split of {p.indexed.prefix} holds {p.num_tokens} tokens, fewer than "
+                                f"--seq_length + 1 = {t.seq_length + 1}; change --split={d.split} or --seq_length")
+        out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, split_weights, prefixes)
+    if out["train"] is None:
+        raise ConfigError(f"--split={d.split} leaves no training data")
+    return out
+
+
+def build_data_iterators(cfg: Config, *, process_index: int = 0, process_count: int = 1,
+                         consumed_samples: int = 0):
+    """(train iterator, factory of a fresh `eval_iters`-batch valid iterator, or None without a valid split).
+
+    Every call of the factory yields the same validation batches (the first `eval_iters` global batches of the valid
+    split), so evaluations at different steps are comparable. Megatron instead continues through the valid split.
+    """
+    tokenizer = None if cfg.data.mock_data else build_tokenizer(cfg.data)
+    datasets = build_datasets(cfg, tokenizer)
+    eod = tokenizer.eod_id if tokenizer and cfg.data.eod_mask_loss else None
+    kwargs = dict(batch_fn=batch_fn_for(cfg.data, eod), process_index=process_index, process_count=process_count,
+                  prefetch=cfg.data.prefetch)
+    train = DataIterator(datasets["train"], cfg.train.global_batch_size, consumed_samples=consumed_samples, **kwargs)
+    valid = datasets["valid"]
+    if valid is None:
+        return train, None
+
+    def valid_iterator() -> DataIterator:
+        return DataIterator(valid, cfg.train.global_batch_size, num_batches=cfg.train.eval_iters, **kwargs)
+
+    return train, valid_iterator
