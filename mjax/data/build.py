@@ -29,11 +29,12 @@ def open_dataset(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
     return ds
 
 
-def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str, object | None]:
-    """{"train" | "valid" | "test": a dataset indexable by global sample number, or None for an empty split}."""
+def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None,
+                   splits=("train", "valid")) -> dict[str, object | None]:
+    """{split name: a dataset indexable by global sample number, or None when `--split` gives it nothing}."""
     d, t = cfg.data, cfg.train
     if d.mock_data:
-        return {name: MockDataset(cfg.model.vocab_size, t.seq_length, t.seed + k) for k, name in enumerate(SPLITS)}
+        return {name: MockDataset(cfg.model.vocab_size, t.seq_length, t.seed + SPLITS.index(name)) for name in splits}
     tokenizer = tokenizer or build_tokenizer(d)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but --vocab_size="
@@ -45,7 +46,8 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str,
     indexed = [open_dataset(p, tokenizer) for p in prefixes]
     fractions = parse_split(d.split)
     out = {}
-    for s, name in enumerate(SPLITS):
+    for name in splits:
+        s = SPLITS.index(name)
         if fractions[s] == 0:
             out[name] = None
             continue
@@ -57,7 +59,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str,
                 raise DataError(f"the {name} split of {p.indexed.prefix} holds {p.num_tokens} tokens, fewer than "
                                 f"--seq_length + 1 = {t.seq_length + 1}; change --split={d.split} or --seq_length")
         out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, split_weights, prefixes)
-    if out["train"] is None:
+    if "train" in out and out["train"] is None:
         raise ConfigError(f"--split={d.split} leaves no training data")
     return out
 

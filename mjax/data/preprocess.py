@@ -70,16 +70,19 @@ class _Progress:
 
     def update(self, docs: int, tokens: int, nbytes: int) -> None:
         self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
-        now = time.time()
-        if self.enabled and now - self.last > 0.5:
-            self.last, frac = now, min(self.read / self.total, 1.0)
-            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-            rate = self.bytes / max(now - self.start, 1e-9) / 1e6
-            sys.stderr.write(f"\r[{bar}] {100 * frac:3.0f}% {self.docs} docs {self.tokens} tokens {rate:.1f} MB/s")
-            sys.stderr.flush()
+        if self.enabled and time.time() - self.last > 0.5:
+            self._draw(min(self.read / self.total, 1.0))
+
+    def _draw(self, frac: float) -> None:
+        self.last = time.time()
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        rate = self.bytes / max(self.last - self.start, 1e-9) / 1e6
+        sys.stderr.write(f"\r[{bar}] {100 * frac:3.0f}% {self.docs} docs {self.tokens} tokens {rate:.1f} MB/s")
+        sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled and self.last:
+        if self.enabled:
+            self._draw(1.0)
             sys.stderr.write("\n")
 
 
