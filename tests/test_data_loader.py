@@ -138,7 +138,8 @@ def test_blend_of_two_datasets(cache, tmp_path):
     (lambda p: write(p, [[1, 2000, 3] * 30]), {}, r"d\.bin holds token id 2000.*--tokenizer_model"),
     (lambda p: str(p), {}, r"d\.idx does not exist"),
     (lambda p: write(p, [[1, 2, 3] * 30]), {"split": "0,1,0"}, "--split=0,1,0 leaves no training data"),
-    (lambda p: write(p, [[1, 2, 3] * 30, [4] * 15]), {"split": "1,1"}, r"valid split of .*d holds 15 tokens.*--seq_len"),
+    (lambda p: write(p, [[1, 2, 3] * 30, [4] * 15]), {"split": "1,1"},
+     r"valid split of .*d holds 15 tokens.*--seq_len"),
 ])
 def test_bad_data(cache, tmp_path, make, data, message):
     cfg = config(cache, data_path=(make(tmp_path / "d"),), **data)

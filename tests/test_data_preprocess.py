@@ -50,7 +50,8 @@ def test_script_with_workers_matches_in_process(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "tokens/s" in run.stdout and "100%" in run.stderr
     for ext in ("bin", "idx"):
-        assert (tmp_path / f"two_text_document.{ext}").read_bytes() == (tmp_path / f"one_text_document.{ext}").read_bytes()
+        two, one = tmp_path / f"two_text_document.{ext}", tmp_path / f"one_text_document.{ext}"
+        assert two.read_bytes() == one.read_bytes()
 
 
 def test_script_reports_bad_flag_cleanly(tmp_path):

@@ -22,7 +22,8 @@ def test_sample_tokenizer():
 
 def test_huggingface_file_and_directory(tmp_path):
     shutil.copy(SAMPLE_TOKENIZER, tmp_path / "tokenizer.json")
-    by_file = build_tokenizer(DataConfig(tokenizer_type="huggingface", tokenizer_model=str(tmp_path / "tokenizer.json")))
+    file = str(tmp_path / "tokenizer.json")
+    by_file = build_tokenizer(DataConfig(tokenizer_type="huggingface", tokenizer_model=file))
     by_dir = build_tokenizer(DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
     assert by_file.encode("hello world") == by_dir.encode("hello world")
     assert by_dir.eod_id == 0  # found among the usual end-of-document names

@@ -20,11 +20,11 @@ def open_dataset(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
     if np.iinfo(ds.dtype).max < tokenizer.vocab_size - 1:
         raise DataError(f"{ds.bin_path} stores {ds.dtype} token ids, too narrow for the tokenizer's vocab: it was made "
                         f"with another tokenizer. Check {flags}")
-    n = int(np.searchsorted(np.cumsum(ds.sequence_lengths, dtype=np.int64), _CHECKED_TOKENS)) + 1
-    head = [ds[i] for i in range(min(n, len(ds)))]
-    top = max((int(t.max()) for t in head if t.size), default=-1)
-    if top >= tokenizer.vocab_size or min((int(t.min()) for t in head if t.size), default=0) < 0:
-        raise DataError(f"{ds.bin_path} holds token id {top}, outside the tokenizer's vocab: it was made with another "
+    head = ds.first_tokens(_CHECKED_TOKENS)
+    lo, hi = (int(head.min()), int(head.max())) if head.size else (0, 0)
+    if lo < 0 or hi >= tokenizer.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise DataError(f"{ds.bin_path} holds token id {bad}, outside the tokenizer's vocab: it was made with another "
                         f"tokenizer. Check {flags}")
     return ds
 

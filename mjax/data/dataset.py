@@ -14,6 +14,7 @@ ranges of documents (sequences) in proportion to `--split`.
 """
 
 import re
+import threading
 
 import numpy as np
 
@@ -62,16 +63,18 @@ class GPTDataset:
         self.samples_per_epoch = max(self.num_tokens - 1, 0) // seq_length
         self._seed = (seed, split, dataset)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()  # iterators in several threads may share a dataset
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(document order [D], token end of each ordered document [D], sample order [S]), the last two used."""
-        if e not in self._epochs:
-            rng = np.random.default_rng((*self._seed, e))
-            order = rng.permutation(len(self.lengths))  # [D]
-            ends = np.cumsum(self.lengths[order])  # [D]
-            self._epochs = {k: v for k, v in self._epochs.items() if k == e - 1}  # keep one epoch back
-            self._epochs[e] = (order, ends, rng.permutation(self.samples_per_epoch))
-        return self._epochs[e]
+        """(document order [D], token end of each ordered document [D], sample order [S]) of epoch e."""
+        with self._lock:
+            if e not in self._epochs:
+                rng = np.random.default_rng((*self._seed, e))
+                order = rng.permutation(len(self.lengths))  # [D]
+                ends = np.cumsum(self.lengths[order])  # [D]
+                self._epochs = {k: v for k, v in self._epochs.items() if k == e - 1}  # keep one epoch back
+                self._epochs[e] = (order, ends, rng.permutation(self.samples_per_epoch))
+            return self._epochs[e]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         if self.samples_per_epoch == 0:

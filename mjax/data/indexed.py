@@ -125,6 +125,11 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 
+    def first_tokens(self, count: int) -> np.ndarray:
+        """Up to `count` tokens from the start of the .bin, where sequences lie back to back."""
+        count = min(count, len(self._bin) // self.dtype.itemsize)
+        return self._bin[:count * self.dtype.itemsize].view(self.dtype)  # [count]
+
 
 class IndexedDatasetWriter:
     """Writes `prefix.bin` / `prefix.idx` as Megatron's `IndexedDatasetBuilder` does.

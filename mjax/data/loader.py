@@ -60,6 +60,8 @@ class DataIterator:
 
     def __init__(self, dataset, global_batch_size: int, *, batch_fn=make_batch, process_index: int = 0,
                  process_count: int = 1, consumed_samples: int = 0, num_batches: int | None = None, prefetch: int = 2):
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} is outside [0, process_count={process_count})")
         if global_batch_size % process_count:
             raise ConfigError(f"--global_batch_size={global_batch_size} is not divisible by the {process_count} "
                               f"processes; each process reads an equal share")

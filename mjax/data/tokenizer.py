@@ -20,7 +20,8 @@ SAMPLE_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "sample_t
 _ALIASES = {"huggingfacetokenizer": "huggingface", "hf": "huggingface", "tiktokenizer": "tiktoken"}
 # End-of-document tokens of common tokenizers, tried in order when no tokenizer_config.json names one.
 _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
-_CL100K_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_CL100K_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 class Tokenizer:
