@@ -46,7 +46,7 @@ def make_train_step(model, cfg, tx, schedule):
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         loss_finite = jnp.isfinite(loss)
         finite = loss_finite & jnp.isfinite(grad_norm)
         if clip > 0:

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+from absl import flags
+
+from mjax.config import Config, ConfigError, from_dict, load_config, preset_names
+from mjax.config_flags import config_from_flags, define_config_flags
+
+TINY = load_config("tiny")
+
+
+def test_every_preset_loads_and_validates():
+    names = preset_names()
+    for required in ("tiny", "gpt2", "llama3_2_1b", "llama3_2_3b", "llama3_8b", "llama3_70b", "mistral_7b",
+                     "qwen2_5_7b", "mixtral_8x7b", "deepseek_moe_16b"):
+        assert required in names
+    for name in names:
+        load_config(name).validate(1)
+    assert load_config("llama3.2-1b").model.num_query_groups == 8  # dotted names resolve to the same files
+    assert load_config("mixtral-8x7b").model.num_experts == 8
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="no such preset.*llama3_8b"):
+        load_config("llama9")
+
+
+@pytest.mark.parametrize("overrides, devices, message", [
+    (dict(model=dict(num_attention_heads=3)), 1, "hidden_size=128 is not divisible by --model.num_attention_heads=3"),
+    (dict(model=dict(num_query_groups=3)), 1, "not a multiple of --model.num_query_groups=3"),
+    (dict(parallel=dict(tp=8)), 8, "num_attention_heads=4 is not divisible by --tp=8"),
+    (dict(parallel=dict(fsdp=3)), 8, "cannot be split"),
+    (dict(parallel=dict(dp=2)), 8, "but 8 are present"),
+    (dict(parallel=dict(pp=3)), 3, "num_layers=4 is not divisible by --pp=3"),
+    (dict(train=dict(global_batch_size=12)), 8, "global_batch_size=12 is not divisible by the data-parallel size 8"),
+    (dict(train=dict(global_batch_size=16, micro_batch_size=4)), 8, "micro_batch_size=4"),
+    (dict(model=dict(activation="relu")), 1, "--model.activation='relu' is not one of"),
+    (dict(optimizer=dict(lr_warmup_iters=500)), 1, "lr_warmup_iters=500"),
+    (dict(optimizer=dict(lr_decay_style="wsd")), 1, "needs --lr_wsd_decay_iters"),
+    (dict(optimizer=dict(min_lr=1.0)), 1, "min_lr <= --lr"),
+    (dict(precision=dict(compute_dtype="float8")), 1, "compute_dtype"),
+    (dict(model=dict(position_embedding_type="learned", max_position_embeddings=64)), 1, "exceeds"),
+    (dict(model=dict(remat_policy="selective", remat_save_names=("qkv_proj", "bogus"))), 1, "bogus"),
+    (dict(parallel=dict(tp=2, sequence_parallel=True), train=dict(seq_length=127)), 2, "sequence_parallel"),
+])
+def test_validation_errors_name_the_flag(overrides, devices, message):
+    with pytest.raises(ConfigError, match=message):
+        TINY.replace(**overrides).validate(devices)
+
+
+def test_kv_heads_fewer_than_tp_are_allowed_when_they_divide_it():
+    TINY.replace(parallel=dict(tp=4)).validate(8)  # 2 KV heads replicated over tp=4
+
+
+def test_dict_round_trip_and_unknown_fields():
+    cfg = TINY.replace(model=dict(remat_save_names=("norm",)))
+    assert from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ConfigError, match="unknown field model.layers"):
+        TINY.replace(model=dict(layers=3))
+
+
+def _parse(argv):
+    define_config_flags()
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["prog", *argv])
+    try:
+        return config_from_flags()
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+def test_flags_override_fields_with_dotted_names_and_aliases(tmp_path):
+    cfg = _parse(["--config=tiny", "--model.num_layers=3", "--train_iters=7", "--lr=0.01", "--fp16",
+                  "--data_path=0.3 a 0.7 b", "--model.num_query_groups=none", "--model.scan_layers=false"])
+    assert cfg.model.num_layers == 3 and cfg.train.train_iters == 7 and cfg.optimizer.lr == 0.01
+    assert cfg.precision.compute_dtype == "float16"
+    assert cfg.data.data_path == ("0.3", "a", "0.7", "b")
+    assert cfg.model.num_query_groups is None and cfg.model.scan_layers is False
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(Config().replace(train=dict(seed=5)).to_dict()))
+    assert _parse([f"--config={path}", "--seed=6"]).train.seed == 6
+
+
+def test_bad_flag_values_are_config_errors():
+    with pytest.raises(ConfigError, match="--train_iters='ten' is not a valid int"):
+        _parse(["--train_iters=ten"])
+    with pytest.raises(ConfigError, match="set the same field"):
+        _parse(["--train_iters=3", "--train.train_iters=4"])
+    with pytest.raises(ConfigError, match="choose one"):
+        _parse(["--bf16", "--fp16"])

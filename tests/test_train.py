@@ -1,0 +1,119 @@
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from mjax.train.loop import NonFiniteError, build, train
+from mjax.train.state import LossScale
+from mjax.train.step import make_train_step
+from tests.train_utils import pattern_batches, tiny_config
+
+
+SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params after one step = init - grads
+
+
+def _one_step(cfg, batch, devices=None):
+    cfg = cfg.replace(optimizer=SGD)
+    setup = build(cfg, devices)
+    state = setup.init_state(cfg.train.seed)
+    step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule))
+    new_state, metrics = step(state, setup.place_batch(batch))
+    return jax.device_get(new_state.params), jax.device_get(metrics)
+
+
+def _assert_trees_close(a, b, **tol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+def test_loss_decreases_on_the_tiny_config():
+    cfg = tiny_config(train=dict(train_iters=30), logging=dict(log_interval=1, progress=False))
+    result = train(cfg, data=(pattern_batches(cfg), None))
+    losses = [r["loss"] for r in result.history]
+    # Half the targets copy the current token (learnable), half are uniform: the loss floor is ~ln(127)/2 = 2.4.
+    assert losses[0] > 4.5 and np.mean(losses[-5:]) < 3.5, losses
+    assert all(np.isfinite(losses))
+
+
+def test_gradient_accumulation_equals_the_large_batch_step():
+    batch = next(pattern_batches(tiny_config()))
+    big, m_big = _one_step(tiny_config(train=dict(micro_batch_size=None)), batch)  # 1 micro-batch of 16
+    acc, m_acc = _one_step(tiny_config(train=dict(micro_batch_size=1)), batch)  # 2 micro-batches of 8
+    single, _ = _one_step(tiny_config(), batch, devices=jax.devices()[:1])  # one device, no accumulation
+    np.testing.assert_allclose(m_big["loss"], m_acc["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_big["grad_norm"], m_acc["grad_norm"], rtol=1e-5)
+    _assert_trees_close(big, acc, rtol=1e-5, atol=1e-7)
+    _assert_trees_close(big, single, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_remat_policies_give_identical_loss_and_grads(policy):
+    batch = next(pattern_batches(tiny_config()))
+    ref, m_ref = _one_step(tiny_config(), batch)
+    got, m_got = _one_step(tiny_config(model=dict(remat_policy=policy)), batch)
+    np.testing.assert_allclose(m_ref["loss"], m_got["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_ref["grad_norm"], m_got["grad_norm"], rtol=1e-5)
+    _assert_trees_close(ref, got, rtol=1e-5, atol=1e-7)
+
+
+def _saved_per_layer(policy, names=("attn_out",)):
+    """Residuals the backward pass keeps for the scanned layers (stacked, leading dim = num_layers)."""
+    cfg = tiny_config(model=dict(remat_policy=policy, remat_save_names=names, num_layers=3))
+    setup = build(cfg, jax.devices()[:1])
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), setup.model.abstract_params())
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: setup.model.apply(p, tokens).sum(), params)
+    shapes = re.findall(r"^\w+\[([\d,]+)\] output of scan", out.getvalue(), re.M)
+    return [tuple(map(int, s.split(","))) for s in shapes if s.startswith("3,")]
+
+
+def test_remat_policies_save_what_they_name():
+    assert _saved_per_layer("full") == [(3, 2, 32, 64)]  # only each layer's input
+    assert sorted(_saved_per_layer("selective")) == [(3, 2, 32, 64)] * 2  # + attn_out
+    assert (3, 2, 32, 4, 16) in _saved_per_layer("selective", ("attn_context",))
+    assert len(_saved_per_layer("none")) > 10
+
+
+def test_nonfinite_loss_stops_the_run_naming_the_step():
+    cfg = tiny_config(train=dict(train_iters=4))
+    with pytest.raises(NonFiniteError, match="at step 2"):
+        train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None))
+
+
+def test_nonfinite_step_is_skipped_by_flag_and_training_continues():
+    cfg = tiny_config(train=dict(train_iters=4, on_nonfinite="skip"))
+    result = train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None))
+    assert result.history[-1]["skipped_steps"] == 1
+    assert int(result.state.first_nonfinite_step) == 1
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(result.state.params)))
+
+
+def test_fp16_dynamic_loss_scale_shrinks_on_overflow_and_trains():
+    cfg = tiny_config(train=dict(train_iters=12), precision=dict(compute_dtype="float16",
+                                                                 initial_loss_scale=2.0**40, hysteresis=1))
+    result = train(cfg, data=(pattern_batches(cfg), None))
+    scales = [r["loss_scale"] for r in result.history]
+    assert scales[0] == 2.0**40 and scales[-1] < 2.0**40
+    assert result.history[-1]["skipped_steps"] >= 1
+    assert np.isfinite(result.history[-1]["loss"])
+
+
+def test_loss_scale_hysteresis_and_growth():
+    class P:
+        loss_scale, initial_loss_scale, hysteresis, loss_scale_window, min_loss_scale = None, 1024.0, 2, 3, 1.0
+
+    s = LossScale.create(P)
+    s = s.update(jnp.array(False), P, True)
+    assert float(s.scale) == 1024.0  # first overflow absorbed by hysteresis
+    s = s.update(jnp.array(False), P, True)
+    assert float(s.scale) == 512.0
+    for _ in range(3):
+        s = s.update(jnp.array(True), P, True)
+    assert float(s.scale) == 1024.0 and int(s.good_steps) == 0 and int(s.hysteresis_left) == 2
