@@ -37,14 +37,18 @@ def make_mask(t: int, s: int, *, causal: bool, sliding_window: int | None, segme
 
 def reference_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
                         return_lse=False):
-    """Plain softmax attention in fp32; the oracle for every kernel. Returns out [B,T,N,H] (and lse [B,N,T])."""
+    """Plain softmax attention in fp32; the oracle for every kernel. Returns out [B,T,N,H] (and lse [B,N,T]).
+
+    segment_ids: [B, T] (needs T == S), or a pair (q_segment_ids [B, T], kv_segment_ids [B, S]).
+    """
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
     scale = h**-0.5 if scale is None else scale
     qg = q.reshape(b, t, kh, groups, h)  # [B, T, K, G, H]
     logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = make_mask(t, s, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids)
+    q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, None)
+    mask = make_mask(t, s, causal=causal, sliding_window=sliding_window, segment_ids=q_seg, kv_segment_ids=kv_seg)
     logits = jnp.where(mask[:, :, None], logits, -jnp.inf)  # [B, K, G, T, S]
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked rows give zeros, not NaN
@@ -65,6 +69,8 @@ def _cudnn_attention(q, k, v, *, causal, sliding_window, segment_ids, scale, ret
             "or turn off --reset_attention_mask")
     if return_lse:
         raise AttentionUnsupported("attention_impl=cudnn does not return the log-sum-exp; use pallas")
+    if sliding_window is not None and not causal:
+        raise AttentionUnsupported("attention_impl=cudnn has only a causal sliding window; use pallas")
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=window,
                                         implementation="cudnn")
@@ -79,17 +85,72 @@ def _pallas_attention(q, k, v, **kwargs):
 _IMPL_FNS = {"xla": reference_attention, "cudnn": _cudnn_attention, "pallas": _pallas_attention}
 
 
-def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool) -> str:
-    """The capability table behind `auto`; an explicit choice is checked, never replaced."""
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
+                    causal: bool = True, sliding_window=None, q_len=None, kv_len=None) -> str | None:
+    """The capability table: None if `impl` can do this call, else the reason in words."""
+    dtype = jnp.dtype(dtype)
+    if impl == "xla":
+        return None
+    if impl == "cudnn":
+        if backend != "gpu":
+            return f"cudnn needs a GPU (backend is {backend})"
+        if dtype not in [jnp.dtype(d) for d in HALF_DTYPES]:
+            return f"cudnn takes bfloat16/float16, not {dtype}"
+        if head_dim > 256 or head_dim % 8:
+            return f"cudnn needs a head dim that is a multiple of 8 up to 256, not {head_dim}"
+        if segment_ids:
+            return "cudnn cannot mask packed documents (segment ids)"
+        if return_lse:
+            return "cudnn does not return the log-sum-exp"
+        if sliding_window is not None and not causal:
+            return "cudnn has only a causal sliding window"
+        if causal and q_len is not None and kv_len is not None and q_len != kv_len:
+            return "cudnn aligns the causal mask differently when query and key lengths differ"
+        return None
+    if impl == "pallas":
+        from mjax.kernels.flash_attention import DTYPES, MAX_HEAD_DIM  # noqa: PLC0415
+
+        if backend not in ("gpu", "cpu"):
+            return f"the pallas kernel runs on GPU (or interpreted on CPU), not {backend}"
+        if dtype not in [jnp.dtype(d) for d in DTYPES]:
+            return f"pallas takes bfloat16/float16/float32, not {dtype}"
+        if head_dim > MAX_HEAD_DIM or head_dim % 8:
+            return f"pallas needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, not {head_dim}"
+        return None
+    raise AttentionUnsupported(f"--attention_impl={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
+                causal: bool = True, sliding_window=None, q_len=None, kv_len=None) -> str:
+    """The capability table behind `auto`; an explicit choice is checked, never replaced.
+
+    auto: on GPU cuDNN when it can (fastest for plain causal attention), else the Pallas kernel (segment ids,
+    log-sum-exp, fp32, non-causal windows); off GPU, XLA. If nothing fast fits on a GPU, auto raises rather
+    than silently materialising the T x S logits: choose --attention_impl=xla explicitly for that.
+    """
     if impl not in IMPLS:
         raise AttentionUnsupported(f"--attention_impl={impl!r} is not one of {', '.join(IMPLS)}")
+    facts = dict(backend=backend, dtype=dtype, head_dim=head_dim, segment_ids=segment_ids, return_lse=return_lse,
+                 causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len)
     if impl != "auto":
+        reason = why_unsupported(impl, **facts)
+        if reason:
+            raise AttentionUnsupported(f"--attention_impl={impl} cannot do this call: {reason}. "
+                                       f"Choose another --attention_impl (auto picks from {', '.join(IMPLS[1:])}).")
         return impl
     if backend != "gpu":
         return "xla"
-    cudnn_ok = (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 256 and head_dim % 8 == 0
-                and not segment_ids and not return_lse)
-    return "cudnn" if cudnn_ok else "pallas"
+    reasons = {}
+    for candidate in ("cudnn", "pallas"):
+        reasons[candidate] = why_unsupported(candidate, **facts)
+        if reasons[candidate] is None:
+            return candidate
+    raise AttentionUnsupported("--attention_impl=auto found no fast attention for this call ("
+                               + "; ".join(f"{k}: {v}" for k, v in reasons.items())
+                               + "); set --attention_impl=xla to run the unfused reference on purpose")
 
 
 def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
@@ -98,7 +159,8 @@ def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_
     if q.shape[2] % k.shape[2]:
         raise AttentionUnsupported(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}")
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
-                         segment_ids=segment_ids is not None, return_lse=return_lse)
+                         segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
+                         sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1])
     _log_choice(impl, chosen, q.shape, str(q.dtype))
     return _IMPL_FNS[chosen](q, k, v, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
                              scale=scale, return_lse=return_lse)

@@ -1,0 +1,117 @@
+"""mjax's flash attention: Pallas kernels (Triton lowering) for forward and backward, behind a custom_vjp.
+
+    out = flash_attention(q, k, v, causal=True, sliding_window=None, segment_ids=None, scale=None,
+                          return_lse=False)
+
+Layout BTNH: q [B, T, N, H], k/v [B, S, K, H] with N % K == 0 (GQA/MQA; K/V are never repeated). Masks: causal
+(query i sits at key position i + S - T, as in `reference_attention`), a left sliding window, and segment ids
+for packed documents: one [B, T] array (T == S), or a pair (q_segment_ids [B, T], kv_segment_ids [B, S]) as
+ring attention needs. Inputs bf16/fp16 (fp32 works too, at full fp32 matmul precision); accumulation is fp32.
+`return_lse=True` also returns the log-sum-exp [B, N, T] fp32 (natural log; -inf for a row that sees no key,
+whose output is 0); its gradient is supported.
+
+Why Triton lowering: it runs the same kernel in interpret mode on CPU (the tests), and in jax 0.11/0.12 it is
+the Pallas GPU path that needs no Hopper-only primitives; the Mosaic GPU attention in jax had no bf16 and no
+causal backward on jaxlib 0.11.2. Sequence lengths that are not block multiples are zero-padded here and the
+padding is masked in the kernels; head dims that are not powers of two are zero-padded up to one.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mjax.kernels.attention import AttentionUnsupported
+from mjax.kernels.flash_backward import flash_backward
+from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret
+from mjax.kernels.flash_forward import flash_forward
+
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_supported(q_shape, k_shape, v_shape, dtype, *, sliding_window=None, segment_ids=None):
+    """Raises AttentionUnsupported, naming what to change, for anything this kernel cannot do."""
+    if len(q_shape) != 4 or len(k_shape) != 4 or tuple(k_shape) != tuple(v_shape):
+        raise AttentionUnsupported(
+            f"attention_impl=pallas expects q [B,T,N,H] and k, v [B,S,K,H] of one shape; got q{tuple(q_shape)} "
+            f"k{tuple(k_shape)} v{tuple(v_shape)}")
+    b, t, n, h = q_shape
+    if k_shape[0] != b or k_shape[3] != h:
+        raise AttentionUnsupported(f"attention_impl=pallas needs q and k/v with the same batch and head dim; got "
+                                   f"q{tuple(q_shape)} k{tuple(k_shape)}")
+    if n % k_shape[2]:
+        raise AttentionUnsupported(f"query heads {n} are not a multiple of KV heads {k_shape[2]}")
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
+        raise AttentionUnsupported(f"attention_impl=pallas takes bfloat16, float16 or float32 inputs, not {dtype}; "
+                                   "set the compute dtype to bfloat16")
+    if h > MAX_HEAD_DIM or h % 8:
+        raise AttentionUnsupported(f"attention_impl=pallas supports head dims that are multiples of 8 up to "
+                                   f"{MAX_HEAD_DIM}, not {h}; use --attention_impl=xla")
+    if sliding_window is not None and sliding_window < 1:
+        raise AttentionUnsupported(f"sliding_window must be >= 1, got {sliding_window}")
+    if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and t != k_shape[1]:
+        raise AttentionUnsupported(f"one segment_ids array needs equal query and key lengths (got {t} and "
+                                   f"{k_shape[1]}); pass (q_segment_ids, kv_segment_ids)")
+
+
+def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, return_lse=False,
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """Flash attention with the reference's semantics; see the module docstring. Returns out (and lse)."""
+    check_supported(q.shape, k.shape, v.shape, q.dtype, sliding_window=sliding_window, segment_ids=segment_ids)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise AttentionUnsupported(f"attention_impl=pallas needs q, k, v of one dtype; got {q.dtype}, {k.dtype}, "
+                                   f"{v.dtype}")
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    scale = float(h**-0.5 if scale is None else scale)
+    interpret = default_interpret() if interpret is None else bool(interpret)
+
+    hp = max(16, 1 << (h - 1).bit_length())  # Triton tiles are powers of two
+    blocks = (block_sizes or default_block_sizes(hp)).clamp(t, s)
+    tp = -(-t // blocks.q_multiple) * blocks.q_multiple
+    sp = -(-s // blocks.k_multiple) * blocks.k_multiple
+
+    q_seg = kv_seg = None
+    if segment_ids is not None:
+        q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+        q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp, -1)  # padded queries see nothing
+        kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp, -2)  # padded keys are masked by position anyway
+    qp = _pad_axis(_pad_axis(q, 1, tp), 3, hp)
+    kp = _pad_axis(_pad_axis(k, 1, sp), 3, hp)
+    vp = _pad_axis(_pad_axis(v, 1, sp), 3, hp)
+    spec = MaskSpec(causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
+                    offset=s - t, kv_len=s, kv_len_padded=sp, q_len_padded=tp, segments=segment_ids is not None)
+    out, lse = _flash(qp, kp, vp, q_seg, kv_seg, spec, blocks, scale, interpret)
+    out = out[:, :t, :, :h]
+    lse = lse[:, :, :t]
+    return (out, lse) if return_lse else out
+
+
+def _pad_axis(x, axis, size, value=0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
+    return flash_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
+    out, lse = flash_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(spec, blocks, scale, interpret, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    do, dlse = cotangents
+    dq, dk, dv = flash_backward(q, k, v, q_seg, kv_seg, out, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
+                                spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,209 @@
+"""Shared pieces of the Pallas flash-attention kernels: block sizes, the mask spec, and the block-range math.
+
+Every kernel walks blocks of one sequence axis while the grid walks blocks of the other. For each visited block
+the range math below decides, from static mask facts and the program ids, which blocks can hold a visible entry
+at all (the rest are skipped) and which are fully visible (those skip the positional mask). The visited range is
+split into three runs: masked head, unmasked middle, masked tail. Segment ids, when given, are always applied.
+
+Positions: query row i sits at key position i + offset, offset = kv_len - q_len (the reference's convention),
+so a query attends key j when
+    causal          j <= i + offset
+    sliding window  i + offset - j < window
+    padding         j < kv_len
+    segments        q_segment[i] == kv_segment[j]
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and Triton launch parameters; powers of two, >= 16. Clamped to the (padded) sequence lengths."""
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    block_q_dq: int = 128
+    block_k_dq: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 128
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("block") and (value < 16 or value & (value - 1)):
+                raise ValueError(f"BlockSizes.{f.name}={value} must be a power of two >= 16")
+
+    def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
+        tq, tk = _pow2_at_least(q_len), _pow2_at_least(kv_len)
+        return dataclasses.replace(
+            self, block_q=min(self.block_q, tq), block_k=min(self.block_k, tk),
+            block_q_dq=min(self.block_q_dq, tq), block_k_dq=min(self.block_k_dq, tk),
+            block_q_dkv=min(self.block_q_dkv, tq), block_k_dkv=min(self.block_k_dkv, tk))
+
+    @property
+    def q_multiple(self) -> int:
+        return max(self.block_q, self.block_q_dq, self.block_q_dkv)
+
+    @property
+    def k_multiple(self) -> int:
+        return max(self.block_k, self.block_k_dq, self.block_k_dkv)
+
+
+def default_block_sizes(head_dim: int) -> BlockSizes:
+    """Starting points for Hopper; head dim 256 needs smaller tiles to fit registers and shared memory."""
+    if head_dim <= 64:
+        return BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3,
+                          block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8)
+    if head_dim <= 128:
+        return BlockSizes()
+    return BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2,
+                      block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=8,
+                      num_stages_bwd=1)
+
+
+def _pow2_at_least(n: int) -> int:
+    return max(16, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Static facts about the mask (hashable: it is part of the kernels' static configuration)."""
+
+    causal: bool
+    window: int | None
+    offset: int  # kv_len - q_len of the unpadded inputs
+    kv_len: int  # unpadded key length; keys at or past it are padding
+    kv_len_padded: int
+    q_len_padded: int
+    segments: bool
+
+    def position_mask(self, q_rows, k_cols, *, transposed: bool = False):
+        """Bool [len(q_rows), len(k_cols)] (or its transpose) from absolute indices; None when nothing applies."""
+        if transposed:
+            q_pos, k_pos = (q_rows + self.offset)[None, :], k_cols[:, None]
+        else:
+            q_pos, k_pos = (q_rows + self.offset)[:, None], k_cols[None, :]
+        mask = None
+
+        def conj(a, b):
+            return b if a is None else a & b
+
+        if self.causal:
+            mask = conj(mask, k_pos <= q_pos)
+        if self.window is not None:
+            mask = conj(mask, q_pos - k_pos < self.window)
+        if self.kv_len != self.kv_len_padded:
+            mask = conj(mask, k_pos < self.kv_len)
+        return mask
+
+    # ---- ranges of key blocks for the query block qi (forward and dq) ----
+    def kv_block_ranges(self, qi, bq: int, bk: int):
+        """(lo, full_lo, full_hi, hi, head, tail): visit key blocks [lo, hi); [full_lo, full_hi) needs no positional
+        mask; head/tail say statically whether [lo, full_lo) / [full_hi, hi) can be non-empty."""
+        n_k = self.kv_len_padded // bk
+        first_q = qi * bq + self.offset  # key position of the first query row
+        last_q = first_q + bq - 1
+        if self.causal:
+            hi = _cdiv(jnp.clip(last_q + 1, 0, self.kv_len), bk)
+            full_hi = _div(jnp.maximum(first_q + 1, 0), bk)
+        else:
+            hi = _cdiv(self.kv_len, bk)
+            full_hi = n_k
+        if self.kv_len != self.kv_len_padded or self.kv_len % bk:
+            full_hi = jnp.minimum(full_hi, self.kv_len // bk)
+        if self.window is not None:
+            lo = _div(jnp.maximum(first_q - self.window + 1, 0), bk)
+            full_lo = _div(jnp.maximum(last_q - self.window + bk, 0), bk)
+        else:
+            lo = 0
+            full_lo = 0
+        head, tail = self.window is not None, self.causal or self.kv_len != self.kv_len_padded
+        return (*_three_runs(lo, full_lo, full_hi, hi), head, tail)
+
+    # ---- ranges of query blocks for the key block kj (dk/dv) ----
+    def q_block_ranges(self, kj, bq: int, bk: int):
+        """Query-block ranges for key block kj, same meaning as kv_block_ranges."""
+        n_q = self.q_len_padded // bq
+        first_k = kj * bk
+        last_k = first_k + bk - 1
+        if self.causal:  # query i sees key j when i >= j - offset
+            lo = _div(jnp.maximum(first_k - self.offset, 0), bq)
+            full_lo = _cdiv(jnp.maximum(last_k - self.offset, 0), bq)
+        else:
+            lo = 0
+            full_lo = 0
+        if self.window is not None:  # query i sees key j when i < j - offset + window
+            hi = _cdiv(jnp.clip(last_k - self.offset + self.window, 0, self.q_len_padded), bq)
+            full_hi = _div(jnp.maximum(first_k - self.offset + self.window, 0), bq)
+        else:
+            hi = n_q
+            full_hi = n_q
+        if self.kv_len != self.kv_len_padded:
+            # a block holding padded keys is never fully visible
+            full_hi = jnp.where(last_k < self.kv_len, full_hi, 0)
+        head, tail = self.causal, self.window is not None or self.kv_len != self.kv_len_padded
+        return (*_three_runs(lo, full_lo, full_hi, hi), head, tail)
+
+
+def _three_runs(lo, full_lo, full_hi, hi):
+    hi = jnp.maximum(jnp.asarray(hi, jnp.int32), 0)
+    lo = jnp.minimum(jnp.asarray(lo, jnp.int32), hi)
+    a = jnp.clip(jnp.asarray(full_lo, jnp.int32), lo, hi)
+    b = jnp.clip(jnp.asarray(full_hi, jnp.int32), a, hi)
+    return lo, a, b, hi
+
+
+def _div(x, d: int):
+    """Floor division of a non-negative traced int by a static positive int (lax.div is supported by Triton)."""
+    return lax.div(jnp.asarray(x, jnp.int32), jnp.int32(d))
+
+
+def _cdiv(x, d: int):
+    return _div(jnp.asarray(x, jnp.int32) + (d - 1), d)
+
+
+def run_blocks(ranges, body, carry):
+    """Runs body(j, carry, masked) over [lo, hi) as masked head, unmasked middle, masked tail.
+
+    `ranges` is what kv_block_ranges/q_block_ranges return; a run whose static flag is False is provably empty.
+    """
+    lo, full_lo, full_hi, hi, head, tail = ranges
+    if head:
+        carry = lax.fori_loop(lo, full_lo, lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda j, c: body(j, c, False), carry)
+    if tail:
+        carry = lax.fori_loop(full_hi, hi, lambda j, c: body(j, c, True), carry)
+    return carry
+
+
+def dot(a, b, *, trans_a=False, trans_b=False):
+    """fp32-accumulating block matmul; fp32 operands use full precision (Triton would otherwise use tf32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return pltriton.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Always explicit: a bare pallas_call picks a different GPU lowering in jax 0.11 and 0.12."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def default_interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+__all__ = ["BlockSizes", "MaskSpec", "default_block_sizes", "run_blocks", "dot", "compiler_params", "pl",
+           "LOG2E", "LN2", "default_interpret"]

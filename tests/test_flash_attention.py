@@ -1,0 +1,197 @@
+"""The Pallas flash-attention kernel against the pure-JAX reference, in interpret mode on CPU.
+
+Fresh random inputs on every run (the seed is in each failure message). Forward output, log-sum-exp and every
+input gradient (with a random cotangent on the LSE too) are compared with `reference_attention` over a grid of
+shapes, masks, dtypes and GQA ratios; small blocks (16/32) make even these short sequences span many blocks,
+ragged tails included.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mjax.kernels.attention import AttentionUnsupported, reference_attention
+from mjax.kernels.flash_attention import flash_attention
+from mjax.kernels.flash_common import BlockSizes, MaskSpec
+
+SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16,
+                   num_warps=4, num_stages=2)
+TINY = BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16, block_k_dkv=16)
+# relative Frobenius error allowed per input dtype (the kernel rounds P to the input dtype before P @ V)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 1.5e-3}
+
+
+def _seed():
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, t, s, n, kh, h, dtype, segments):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(dtype)
+    dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32)
+    seg = None
+    if segments:  # sorted ids = packed documents of random lengths
+        seg = jnp.sort(jax.random.randint(ks[5], (b, t), 0, 4), axis=1)
+    return q, k, v, do, dlse, seg
+
+
+def _check(seed, b, t, s, n, kh, h, dtype, *, causal, window, segments, blocks, lse_grad=True):
+    q, k, v, do, dlse, seg = _inputs(seed, b, t, s, n, kh, h, dtype, segments)
+    kw = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True)
+
+    @jax.jit
+    def both(q, k, v, do, dlse):
+        dl = dlse if lse_grad else jnp.zeros_like(dlse)
+        (o, lse), f_vjp = jax.vjp(lambda *a: flash_attention(*a, block_sizes=blocks, **kw), q, k, v)
+        (ro, rlse), r_vjp = jax.vjp(lambda *a: reference_attention(*a, **kw), q, k, v)
+        return (o, lse, *f_vjp((do, dl))), (ro, rlse, *r_vjp((do, dl)))
+
+    got, want = both(q, k, v, do, dlse)
+    msg = f"seed={seed} shape=(b{b},t{t},s{s},n{n},k{kh},h{h}) {jnp.dtype(dtype).name} causal={causal} window={window}"
+    tol = TOL[dtype]
+    o, lse, dq, dk, dv = got
+    ro, rlse, rdq, rdk, rdv = want
+    assert o.shape == ro.shape and o.dtype == ro.dtype, msg
+    assert lse.shape == (b, n, t) and lse.dtype == jnp.float32, msg
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse), err_msg=msg)
+    fin = np.isfinite(np.asarray(rlse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], atol=2e-3, rtol=1e-4, err_msg=msg)
+    for name, g, r in (("out", o, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        assert g.shape == r.shape and g.dtype == r.dtype, f"{name} {msg}"
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name} not finite: {msg}"
+        assert _rel(g, r) < tol, f"{name}: relative error {_rel(g, r):.2e} >= {tol}: {msg}"
+
+
+# (b, t, s, n, kh, h, dtype, causal, window, segments, blocks)
+GRID = [
+    pytest.param(1, 64, 64, 2, 2, 64, jnp.bfloat16, True, None, False, SMALL, id="mha-causal-bf16-h64"),
+    pytest.param(2, 100, 100, 4, 1, 32, jnp.float32, True, None, False, SMALL, id="mqa-causal-ragged-f32"),
+    pytest.param(1, 80, 80, 4, 2, 64, jnp.float32, True, 15, False, TINY, id="gqa2-window-f32"),
+    pytest.param(1, 96, 96, 4, 2, 64, jnp.bfloat16, True, None, True, SMALL, id="gqa2-packed-bf16"),
+    pytest.param(1, 48, 48, 2, 1, 128, jnp.float16, False, None, False, SMALL, id="full-f16-h128"),
+    pytest.param(1, 40, 72, 4, 2, 32, jnp.float32, True, None, False, TINY, id="t-lt-s-causal-f32"),
+    pytest.param(1, 72, 40, 2, 1, 32, jnp.float32, True, 20, False, TINY, id="t-gt-s-window-empty-rows-f32"),
+    pytest.param(1, 90, 90, 4, 1, 128, jnp.float16, True, 31, True, SMALL, id="mqa-window-packed-ragged-f16"),
+    pytest.param(1, 56, 56, 2, 2, 40, jnp.float32, False, 13, True, TINY, id="noncausal-window-packed-h40-f32"),
+    pytest.param(1, 32, 32, 2, 1, 256, jnp.bfloat16, True, None, False, SMALL, id="mqa-causal-bf16-h256"),
+]
+
+
+@pytest.mark.parametrize("b,t,s,n,kh,h,dtype,causal,window,segments,blocks", GRID)
+def test_matches_reference(b, t, s, n, kh, h, dtype, causal, window, segments, blocks):
+    _check(_seed(), b, t, s, n, kh, h, dtype, causal=causal, window=window, segments=segments, blocks=blocks)
+
+
+def test_packed_batch_equals_separate_documents():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.permutation([13, 30, 21])]  # 64 tokens, ragged against the 16/32 blocks
+    t, n, kh, h = sum(lengths), 4, 2, 32
+    q, k, v, do, _, _ = _inputs(seed, 1, t, t, n, kh, h, jnp.float32, False)
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    bounds = np.cumsum([0, *lengths])
+
+    def packed(q, k, v):
+        return flash_attention(q, k, v, segment_ids=seg, sliding_window=16, block_sizes=SMALL)
+
+    def separate(q, k, v):
+        outs = [flash_attention(q[:, a:z], k[:, a:z], v[:, a:z], sliding_window=16, block_sizes=SMALL)
+                for a, z in zip(bounds[:-1], bounds[1:])]
+        return jnp.concatenate(outs, axis=1)
+
+    @jax.jit
+    def both(q, k, v, do):
+        o1, vjp1 = jax.vjp(packed, q, k, v)
+        o2, vjp2 = jax.vjp(separate, q, k, v)
+        return (o1, *vjp1(do)), (o2, *vjp2(do))
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *both(q, k, v, do)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5,
+                                   err_msg=f"{name} seed={seed} lengths={lengths}")
+
+
+def test_segment_pair_for_ring_attention():
+    """(q_segment_ids, kv_segment_ids) with T != S, as one ring step over a key chunk sees them."""
+    seed = _seed()
+    q, k, v, do, dlse, _ = _inputs(seed, 1, 32, 48, 2, 1, 32, jnp.float32, False)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1))
+    segs = (jnp.sort(jax.random.randint(ks[0], (1, 32), 0, 3)), jnp.sort(jax.random.randint(ks[1], (1, 48), 0, 3)))
+    kw = dict(causal=False, segment_ids=segs, return_lse=True)
+    (o, lse), f_vjp = jax.vjp(lambda *a: flash_attention(*a, block_sizes=TINY, **kw), q, k, v)
+    (ro, rlse), r_vjp = jax.vjp(lambda *a: reference_attention(*a, **kw), q, k, v)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (o, *f_vjp((do, dlse))), (ro, *r_vjp((do, dlse)))):
+        assert _rel(a, b) < TOL[jnp.float32], f"{name} seed={seed}"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(h=300), "head dims"),
+    (dict(h=36), "head dims"),
+    (dict(dtype=jnp.int8), "bfloat16"),
+    (dict(kh=3), "multiple of KV heads"),
+    (dict(window=0), "sliding_window"),
+    (dict(s=24, segments=True), "equal query and key lengths"),
+])
+def test_unsupported_raises_clearly(bad, match):
+    p = dict(t=16, s=16, n=4, kh=2, h=32, dtype=jnp.bfloat16, window=None, segments=False) | bad
+    q = jnp.zeros((1, p["t"], p["n"], p["h"]), p["dtype"])
+    k = jnp.zeros((1, p["s"], p["kh"], p["h"]), p["dtype"])
+    seg = jnp.zeros((1, p["t"]), jnp.int32) if p["segments"] else None
+    with pytest.raises(AttentionUnsupported, match=match):
+        flash_attention(q, k, k, sliding_window=p["window"], segment_ids=seg)
+
+
+def test_block_sizes_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(block_q=48)
+
+
+def test_block_ranges_match_brute_force():
+    """The block-skipping math, exhaustively against the dense mask: every block with a visible entry is visited,
+    and every block run without the positional mask is entirely visible."""
+    rng = np.random.default_rng(_seed())
+    for _ in range(200):
+        bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
+        t = int(rng.integers(1, 200))
+        edges = [0, 1, 2, -1, -2, bk - 1, bk - 2, bk + 1, 1 - bk, 2 - bk, bq - 1, bq - 2, 1 - bq]  # off-by-one bait
+        s = max(1, t + int(rng.choice(edges)) if rng.integers(2) else int(rng.integers(1, 200)))
+        causal = bool(rng.integers(2))
+        window = None if rng.integers(4) == 0 else max(1, int(rng.choice([*edges, *rng.integers(1, 100, 3)])))
+        mult_q, mult_k = max(bq, 32), max(bk, 32)
+        tp, sp = -(-t // mult_q) * mult_q, -(-s // mult_k) * mult_k
+        spec = MaskSpec(causal=causal, window=window, offset=s - t, kv_len=s, kv_len_padded=sp, q_len_padded=tp,
+                        segments=False)
+        qpos = np.arange(tp)[:, None] + s - t
+        kpos = np.arange(sp)[None, :]
+        dense = np.broadcast_to((kpos < s) & ((kpos <= qpos) if causal else True)
+                                & ((qpos - kpos < window) if window else True), (tp, sp))
+        case = f"bq={bq} bk={bk} t={t} s={s} causal={causal} window={window}"
+        for qi in range(tp // bq):  # forward / dq walk: key blocks of one query block
+            lo, a, b, hi, head, tail = (x if isinstance(x, bool) else int(x) for x in spec.kv_block_ranges(qi, bq, bk))
+            blocks = dense[qi * bq:(qi + 1) * bq].reshape(bq, sp // bk, bk)
+            _check_runs(blocks.any(axis=(0, 2)), blocks.all(axis=(0, 2)), lo, a, b, hi, head, tail, case)
+        for kj in range(sp // bk):  # dk/dv walk: query blocks of one key block
+            lo, a, b, hi, head, tail = (x if isinstance(x, bool) else int(x) for x in spec.q_block_ranges(kj, bq, bk))
+            blocks = dense[:, kj * bk:(kj + 1) * bk].reshape(tp // bq, bq, bk)
+            _check_runs(blocks.any(axis=(1, 2)), blocks.all(axis=(1, 2)), lo, a, b, hi, head, tail, case)
+
+
+def _check_runs(any_visible, all_visible, lo, a, b, hi, head, tail, case):
+    assert 0 <= lo <= a <= b <= hi <= len(any_visible), case
+    visited = np.zeros(len(any_visible), bool)
+    visited[lo:hi] = True
+    assert not np.any(any_visible & ~visited), f"skips a visible block: {case}"
+    assert np.all(all_visible[a:b]), f"runs a partly masked block unmasked: {case}"
+    assert head or lo == a, case
+    assert tail or b == hi, case
