@@ -9,9 +9,11 @@ from mjax.kernels.cross_entropy import cross_entropy_reference
 from mjax.train.state import TrainState
 
 
-def token_losses(model, params, batch, z_loss_coeff: float):
-    """Per-token loss [B, T] (fp32) of one micro-batch, and the per-token log Z."""
-    logits = model.apply(params, batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+def token_losses(model, params, batch, z_loss_coeff: float, use_segments: bool):
+    """Per-token loss [B, T] (fp32) of one micro-batch, and the per-token log Z. Segment ids reach attention only
+    when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels."""
+    segments = batch.get("segment_ids") if use_segments else None
+    logits = model.apply(params, batch["inputs"], batch.get("positions"), segments)
     return cross_entropy_reference(logits, batch["targets"], vocab_size=model.cfg.vocab_size,
                                    z_loss_coeff=z_loss_coeff)
 
@@ -23,9 +25,10 @@ def make_train_step(model, cfg, tx, schedule):
     fp16 = precision.compute_dtype == "float16"
     dynamic_scale = fp16 and precision.loss_scale is None
     stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
+    use_segments = cfg.data.reset_attention_mask
 
     def micro_loss(params, micro, denom, scale):
-        loss, log_z = token_losses(model, params, micro, z_coeff)
+        loss, log_z = token_losses(model, params, micro, z_coeff, use_segments)
         mask = micro["loss_mask"]
         total = jnp.sum(loss * mask)
         return total * scale / denom, (total, jnp.sum(jnp.square(log_z) * mask))
@@ -76,7 +79,7 @@ def make_train_step(model, cfg, tx, schedule):
 
 def make_eval_step(model, cfg):
     def eval_step(params, batch):  # batch: [batch, seq]
-        loss, _ = token_losses(model, params, batch, 0.0)
+        loss, _ = token_losses(model, params, batch, 0.0, cfg.data.reset_attention_mask)
         return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
 
     return eval_step
