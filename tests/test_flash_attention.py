@@ -15,7 +15,7 @@ import pytest
 
 from mjax.kernels.attention import AttentionUnsupported, reference_attention
 from mjax.kernels.flash_attention import flash_attention
-from mjax.kernels.flash_common import BlockSizes, MaskSpec
+from mjax.kernels.flash_common import BlockSizes, MaskSpec, segment_block_bounds
 
 SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16,
                    num_warps=4, num_stages=2)
@@ -159,9 +159,9 @@ def test_block_sizes_must_be_powers_of_two():
 
 def test_block_ranges_match_brute_force():
     """The block-skipping math, exhaustively against the dense mask: every block with a visible entry is visited,
-    and every block run without the positional mask is entirely visible."""
+    and every block run without the positional mask is entirely visible (segment ids are applied in every run)."""
     rng = np.random.default_rng(_seed())
-    for _ in range(200):
+    for _ in range(150):
         bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
         t = int(rng.integers(1, 200))
         edges = [0, 1, 2, -1, -2, bk - 1, bk - 2, bk + 1, 1 - bk, 2 - bk, bq - 1, bq - 2, 1 - bq]  # off-by-one bait
@@ -170,21 +170,36 @@ def test_block_ranges_match_brute_force():
         window = None if rng.integers(4) == 0 else max(1, int(rng.choice([*edges, *rng.integers(1, 100, 3)])))
         mult_q, mult_k = max(bq, 32), max(bk, 32)
         tp, sp = -(-t // mult_q) * mult_q, -(-s // mult_k) * mult_k
+        segments = rng.integers(3) == 0
         spec = MaskSpec(causal=causal, window=window, offset=s - t, kv_len=s, kv_len_padded=sp, q_len_padded=tp,
-                        segments=False)
+                        segments=segments)
         qpos = np.arange(tp)[:, None] + s - t
         kpos = np.arange(sp)[None, :]
-        dense = np.broadcast_to((kpos < s) & ((kpos <= qpos) if causal else True)
-                                & ((qpos - kpos < window) if window else True), (tp, sp))
-        case = f"bq={bq} bk={bk} t={t} s={s} causal={causal} window={window}"
+        positional = np.broadcast_to((kpos < s) & ((kpos <= qpos) if causal else True)
+                                     & ((qpos - kpos < window) if window else True), (tp, sp))
+        dense, bounds = positional, None
+        if segments:  # sorted (packed) or arbitrary ids, edge-padded as flash_attention pads them
+            q_seg, kv_seg = rng.integers(0, 5, t), rng.integers(0, 5, s)
+            if rng.integers(2):
+                q_seg, kv_seg = np.sort(q_seg), np.sort(kv_seg)
+            q_seg, kv_seg = np.pad(q_seg, (0, tp - t), mode="edge"), np.pad(kv_seg, (0, sp - s), mode="edge")
+            dense = positional & (q_seg[:, None] == kv_seg[None, :])
+            bounds = [x[0] for x in segment_block_bounds(q_seg[None], kv_seg[None], bq, bk, xp=np)]
+        dense = dense.copy()
+        dense[t:] = False  # padded query rows may compute anything; they are sliced off
+        case = f"bq={bq} bk={bk} t={t} s={s} causal={causal} window={window} segments={segments}"
         for qi in range(tp // bq):  # forward / dq walk: key blocks of one query block
-            lo, a, b, hi, head, tail = (x if isinstance(x, bool) else int(x) for x in spec.kv_block_ranges(qi, bq, bk))
-            blocks = dense[qi * bq:(qi + 1) * bq].reshape(bq, sp // bk, bk)
-            _check_runs(blocks.any(axis=(0, 2)), blocks.all(axis=(0, 2)), lo, a, b, hi, head, tail, case)
+            sb = None if bounds is None else (bounds[0][qi], bounds[1][qi])
+            ranges = [x if isinstance(x, bool) else int(x) for x in spec.kv_block_ranges(qi, bq, bk, sb)]
+            rows = slice(qi * bq, (qi + 1) * bq)
+            _check_runs(dense[rows].reshape(bq, -1, bk).any(axis=(0, 2)),
+                        positional[rows].reshape(bq, -1, bk).all(axis=(0, 2)), *ranges, case)
         for kj in range(sp // bk):  # dk/dv walk: query blocks of one key block
-            lo, a, b, hi, head, tail = (x if isinstance(x, bool) else int(x) for x in spec.q_block_ranges(kj, bq, bk))
-            blocks = dense[:, kj * bk:(kj + 1) * bk].reshape(tp // bq, bq, bk)
-            _check_runs(blocks.any(axis=(1, 2)), blocks.all(axis=(1, 2)), lo, a, b, hi, head, tail, case)
+            sb = None if bounds is None else (bounds[2][kj], bounds[3][kj])
+            ranges = [x if isinstance(x, bool) else int(x) for x in spec.q_block_ranges(kj, bq, bk, sb)]
+            cols = slice(kj * bk, (kj + 1) * bk)
+            _check_runs(dense[:, cols].reshape(-1, bq, bk).any(axis=(1, 2)),
+                        positional[:, cols].reshape(-1, bq, bk).all(axis=(1, 2)), *ranges, case)
 
 
 def _check_runs(any_visible, all_visible, lo, a, b, hi, head, tail, case):

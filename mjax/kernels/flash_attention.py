@@ -75,8 +75,10 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=No
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
-        q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp, -1)  # padded queries see nothing
-        kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp, -2)  # padded keys are masked by position anyway
+        # Edge padding keeps the per-block segment spans tight; padded keys are masked by position anyway, and
+        # padded queries (sliced off, zero cotangent) may attend whatever they like.
+        q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp, mode="edge")
+        kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp, mode="edge")
     qp = _pad_axis(_pad_axis(q, 1, tp), 3, hp)
     kp = _pad_axis(_pad_axis(k, 1, sp), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, sp), 3, hp)
@@ -88,12 +90,12 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=No
     return (out, lse) if return_lse else out
 
 
-def _pad_axis(x, axis, size, value=0):
+def _pad_axis(x, axis, size, mode="constant"):
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
+    return jnp.pad(x, widths, mode=mode)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))

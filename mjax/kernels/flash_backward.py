@@ -16,15 +16,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.flash_common import LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks
+from mjax.kernels.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks,
+                                       segment_block_bounds)
 
 
 def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
     if spec.segments:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, dq_ref = refs
+        seg_bounds = (lo_ref[...], hi_ref[...])
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        qseg_ref = kseg_ref = None
+        qseg_ref = kseg_ref = seg_bounds = None
     qi = n_q_blocks - 1 - pl.program_id(0)
     q = q_ref[...]  # [bq, H]
     do = do_ref[...]
@@ -51,23 +53,24 @@ def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks
         return dq + dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
-    dq = run_blocks(spec.kv_block_ranges(qi, bq, bk), body, dq)
+    dq = run_blocks(spec.kv_block_ranges(qi, bq, bk, seg_bounds), body, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, groups: int):
     if spec.segments:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, dk_ref, dv_ref = refs
+        seg_bounds = (lo_ref[...], hi_ref[...])
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-        qseg_ref = kseg_ref = None
+        qseg_ref = kseg_ref = seg_bounds = None
     kj = pl.program_id(0)
     k = k_ref[...]  # [bk, H]
     v = v_ref[...]
     k_cols = kj * bk + jnp.arange(bk, dtype=jnp.int32)
     k_seg = kseg_ref[...] if spec.segments else None
     qk_scale = scale * LOG2E
-    ranges = spec.q_block_ranges(kj, bq, bk)
+    ranges = spec.q_block_ranges(kj, bq, bk, seg_bounds)
 
     def group_body(g, carry):
         def body(i, carry, masked):
@@ -115,7 +118,6 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
     # so that their P is exactly 0.
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
-    params = compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd)
 
     # ---- dq ----
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
@@ -138,16 +140,19 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
                 pl.BlockSpec((None, None, bq), rowmap)]
     args = [q, k, v, do, lse2, delta]
     if spec.segments:
+        kv_lo, kv_hi, _, _ = segment_block_bounds(q_seg, kv_seg, bq, bk)
         in_specs += [pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i))]
+        args += [q_seg, kv_seg, kv_lo, kv_hi]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk, scale=scale, n_q_blocks=nq),
         grid=(nq, b, n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bq, None, h), qmap),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
+        compiler_params=compiler_params(blocks.num_warps_dq, blocks.num_stages_dq),
         interpret=interpret,
         name="mjax_flash_bwd_dq",
     )(*args)
@@ -177,16 +182,19 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
                 pl.BlockSpec((None, None, groups, tp), grprowmap)]
     args = [q5, k, v, do5, lse4, delta4]
     if spec.segments:
+        _, _, q_lo, q_hi = segment_block_bounds(q_seg, kv_seg, bq, bk)
         in_specs += [pl.BlockSpec((None, tp), lambda j, bi, hi: (bi, 0)),
-                     pl.BlockSpec((None, bk), lambda j, bi, hi: (bi, j))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, bk), lambda j, bi, hi: (bi, j)),
+                     pl.BlockSpec((None, None), lambda j, bi, hi: (bi, j)),
+                     pl.BlockSpec((None, None), lambda j, bi, hi: (bi, j))]
+        args += [q_seg, kv_seg, q_lo, q_hi]
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, spec=spec, bq=bq, bk=bk, scale=scale, groups=groups),
         grid=(nk, b, kh),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, bk, None, h), kmap), pl.BlockSpec((None, bk, None, h), kmap)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
+        compiler_params=compiler_params(blocks.num_warps_dkv, blocks.num_stages_dkv),
         interpret=interpret,
         name="mjax_flash_bwd_dkv",
     )(*args)

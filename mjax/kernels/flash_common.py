@@ -15,6 +15,7 @@ so a query attends key j when
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,18 @@ LN2 = math.log(2.0)
 class BlockSizes:
     """Tile sizes and Triton launch parameters; powers of two, >= 16. Clamped to the (padded) sequence lengths."""
 
-    block_q: int = 128
+    block_q: int = 128  # forward
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    block_q_dq: int = 128
+    block_q_dq: int = 128  # backward, dq kernel
     block_k_dq: int = 64
-    block_q_dkv: int = 64
+    num_warps_dq: int = 8
+    num_stages_dq: int = 2
+    block_q_dkv: int = 64  # backward, dk/dv kernel
     block_k_dkv: int = 128
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
+    num_warps_dkv: int = 8
+    num_stages_dkv: int = 2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -66,13 +69,12 @@ class BlockSizes:
 def default_block_sizes(head_dim: int) -> BlockSizes:
     """Starting points for Hopper; head dim 256 needs smaller tiles to fit registers and shared memory."""
     if head_dim <= 64:
-        return BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3,
-                          block_q_dq=128, block_k_dq=64, block_q_dkv=64, block_k_dkv=128, num_warps_bwd=8)
+        return BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return BlockSizes()
     return BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2,
-                      block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64, num_warps_bwd=8,
-                      num_stages_bwd=1)
+                      block_q_dq=64, block_k_dq=64, num_warps_dq=8, num_stages_dq=1,
+                      block_q_dkv=64, block_k_dkv=64, num_warps_dkv=8, num_stages_dkv=1)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -111,9 +113,10 @@ class MaskSpec:
         return mask
 
     # ---- ranges of key blocks for the query block qi (forward and dq) ----
-    def kv_block_ranges(self, qi, bq: int, bk: int):
+    def kv_block_ranges(self, qi, bq: int, bk: int, seg_bounds=None):
         """(lo, full_lo, full_hi, hi, head, tail): visit key blocks [lo, hi); [full_lo, full_hi) needs no positional
-        mask; head/tail say statically whether [lo, full_lo) / [full_hi, hi) can be non-empty."""
+        mask; head/tail say statically whether [lo, full_lo) / [full_hi, hi) can be non-empty. `seg_bounds`
+        (lo, hi) narrows the visit to the blocks whose segment ids can match (see segment_block_bounds)."""
         n_k = self.kv_len_padded // bk
         first_q = qi * bq + self.offset  # key position of the first query row
         last_q = first_q + bq - 1
@@ -132,10 +135,10 @@ class MaskSpec:
             lo = 0
             full_lo = 0
         head, tail = self.window is not None, self.causal or self.kv_len != self.kv_len_padded
-        return (*_three_runs(lo, full_lo, full_hi, hi), head, tail)
+        return (*_three_runs(lo, full_lo, full_hi, hi, seg_bounds), head, tail)
 
     # ---- ranges of query blocks for the key block kj (dk/dv) ----
-    def q_block_ranges(self, kj, bq: int, bk: int):
+    def q_block_ranges(self, kj, bq: int, bk: int, seg_bounds=None):
         """Query-block ranges for key block kj, same meaning as kv_block_ranges."""
         n_q = self.q_len_padded // bq
         first_k = kj * bk
@@ -156,12 +159,15 @@ class MaskSpec:
             # a block holding padded keys is never fully visible
             full_hi = jnp.where(last_k < self.kv_len, full_hi, 0)
         head, tail = self.causal, self.window is not None or self.kv_len != self.kv_len_padded
-        return (*_three_runs(lo, full_lo, full_hi, hi), head, tail)
+        return (*_three_runs(lo, full_lo, full_hi, hi, seg_bounds), head, tail)
 
 
-def _three_runs(lo, full_lo, full_hi, hi):
-    hi = jnp.maximum(jnp.asarray(hi, jnp.int32), 0)
-    lo = jnp.minimum(jnp.asarray(lo, jnp.int32), hi)
+def _three_runs(lo, full_lo, full_hi, hi, seg_bounds=None):
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    if seg_bounds is not None:  # segment masks apply in every run, so narrowing [lo, hi) is always safe
+        lo, hi = jnp.maximum(lo, seg_bounds[0]), jnp.minimum(hi, seg_bounds[1])
+    hi = jnp.maximum(hi, 0)
+    lo = jnp.minimum(lo, hi)
     a = jnp.clip(jnp.asarray(full_lo, jnp.int32), lo, hi)
     b = jnp.clip(jnp.asarray(full_hi, jnp.int32), a, hi)
     return lo, a, b, hi
@@ -174,6 +180,28 @@ def _div(x, d: int):
 
 def _cdiv(x, d: int):
     return _div(jnp.asarray(x, jnp.int32) + (d - 1), d)
+
+
+def segment_block_bounds(q_seg, kv_seg, bq: int, bk: int, xp=jnp):
+    """Per query block the span [lo, hi) of key blocks whose segment ids can equal one of its own, and per key
+    block the span of query blocks; [B, nq] and [B, nk] int32 each. Blocks overlap when their [min, max] id
+    ranges do, so this is exact for sorted (packed) ids and a safe superset for any ids. (xp=numpy for tests.)"""
+    b, tp = q_seg.shape
+    sp = kv_seg.shape[1]
+    qmin, qmax = q_seg.reshape(b, tp // bq, bq).min(-1), q_seg.reshape(b, tp // bq, bq).max(-1)
+    kmin, kmax = kv_seg.reshape(b, sp // bk, bk).min(-1), kv_seg.reshape(b, sp // bk, bk).max(-1)
+    overlap = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])  # [B, nq, nk]
+
+    def span(ov):  # first and one-past-last True along the last axis; (0, 0) if none
+        n = ov.shape[-1]
+        first = xp.argmax(ov, axis=-1)
+        last = n - xp.argmax(ov[..., ::-1], axis=-1)
+        anyv = ov.any(-1)
+        return xp.where(anyv, first, 0).astype(xp.int32), xp.where(anyv, last, 0).astype(xp.int32)
+
+    kv_lo, kv_hi = span(overlap)
+    q_lo, q_hi = span(xp.swapaxes(overlap, 1, 2))
+    return kv_lo, kv_hi, q_lo, q_hi
 
 
 def run_blocks(ranges, body, carry):
@@ -203,6 +231,11 @@ def compiler_params(num_warps: int, num_stages: int):
 
 def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
+
+
+# jax 0.11+ warns on every Triton-lowered pallas_call that the backend is deprecated in favour of Mosaic GPU. We
+# choose Triton on purpose (docs/kernels.md says why); keep that one message out of every training log.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 
 __all__ = ["BlockSizes", "MaskSpec", "default_block_sizes", "run_blocks", "dot", "compiler_params", "pl",

@@ -10,15 +10,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.flash_common import LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks
+from mjax.kernels.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks,
+                                       segment_block_bounds)
 
 
 def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
     if spec.segments:
-        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
+        seg_bounds = (lo_ref[...], hi_ref[...])
     else:
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qseg_ref = kseg_ref = None
+        qseg_ref = kseg_ref = seg_bounds = None
     qi = n_q_blocks - 1 - pl.program_id(0)
     q = q_ref[...]  # [bq, H]
     q_rows = qi * bq + jnp.arange(bq, dtype=jnp.int32)
@@ -47,7 +49,7 @@ def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_b
 
     h = q.shape[-1]
     carry = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = run_blocks(spec.kv_block_ranges(qi, bq, bk), body, carry)
+    acc, m, l = run_blocks(spec.kv_block_ranges(qi, bq, bk, seg_bounds), body, carry)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l)) * LN2  # -inf where the row saw nothing
 
@@ -72,9 +74,12 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, blocks: BlockSizes,
                 pl.BlockSpec((None, sp, None, h), kvmap)]
     args = [q, k, v]
     if spec.segments:
+        kv_lo, kv_hi, _, _ = segment_block_bounds(q_seg, kv_seg, bq, bk)
         in_specs += [pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0))]
-        args += [q_seg, kv_seg]
+                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i)),
+                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i))]
+        args += [q_seg, kv_seg, kv_lo, kv_hi]
     kernel = functools.partial(_forward_kernel, spec=spec, bq=bq, bk=bk, scale=scale, n_q_blocks=nq)
     return pl.pallas_call(
         kernel,
