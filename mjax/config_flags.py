@@ -47,9 +47,10 @@ def define_config_flags() -> None:
     flags.DEFINE_boolean("fp16", None, "Compute in float16 with dynamic loss scaling.")
     for section, f, typ in _fields():
         help_text = f.metadata.get("help", "") or f"{section}.{f.name}"
-        flags.DEFINE_string(f"{section}.{f.name}", None, help_text)
+        define = flags.DEFINE_boolean if typ is bool else flags.DEFINE_string  # --flag / --noflag for booleans
+        define(f"{section}.{f.name}", None, help_text)
         if "flag" in f.metadata:
-            flags.DEFINE_string(f.metadata["flag"], None, f"Alias of --{section}.{f.name}. {help_text}")
+            define(f.metadata["flag"], None, f"Alias of --{section}.{f.name}. {help_text}")
 
 
 def config_from_flags(base: Config | None = None) -> Config:
@@ -62,7 +63,8 @@ def config_from_flags(base: Config | None = None) -> Config:
         if len(given) > 1 and FLAGS[given[0]].value != FLAGS[given[1]].value:
             raise ConfigError(f"--{given[0]} and --{given[1]} set the same field to different values")
         if given:
-            overrides.setdefault(section, {})[f.name] = _parse(FLAGS[given[0]].value, typ, given[0])
+            value = FLAGS[given[0]].value
+            overrides.setdefault(section, {})[f.name] = value if typ is bool else _parse(value, typ, given[0])
     if FLAGS.bf16 and FLAGS.fp16:
         raise ConfigError("--bf16 and --fp16 are both set; choose one")
     if FLAGS.fp16:

@@ -71,11 +71,13 @@ def _parse(argv):
 
 def test_flags_override_fields_with_dotted_names_and_aliases(tmp_path):
     cfg = _parse(["--config=tiny", "--model.num_layers=3", "--train_iters=7", "--lr=0.01", "--fp16",
-                  "--data_path=0.3 a 0.7 b", "--model.num_query_groups=none", "--model.scan_layers=false"])
+                  "--data_path=0.3 a 0.7 b", "--model.num_query_groups=none", "--model.scan_layers=false",
+                  "--mock_data", "--train_iters=7"])
     assert cfg.model.num_layers == 3 and cfg.train.train_iters == 7 and cfg.optimizer.lr == 0.01
     assert cfg.precision.compute_dtype == "float16"
     assert cfg.data.data_path == ("0.3", "a", "0.7", "b")
-    assert cfg.model.num_query_groups is None and cfg.model.scan_layers is False
+    assert cfg.model.num_query_groups is None and cfg.model.scan_layers is False and cfg.data.mock_data is True
+    assert _parse(["--nosequence_parallel"]).parallel.sequence_parallel is False
     path = tmp_path / "c.json"
     path.write_text(json.dumps(Config().replace(train=dict(seed=5)).to_dict()))
     assert _parse([f"--config={path}", "--seed=6"]).train.seed == 6
