@@ -1,0 +1,235 @@
+"""Hugging Face <-> mjax: config translation, streamed tensor conversion driven by a family's table, and the two
+directory-level conversions (`hf_to_mjax`, `mjax_to_hf`).
+
+Import walks the table rule by rule: for a per-layer rule it allocates the stacked mjax array(s) and fills them one
+HF layer tensor at a time, then hands them to the writer and drops them. Export does the reverse, one stacked mjax
+parameter at a time. Every tensor's shape is checked against the table before anything is written.
+"""
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from mjax.config import Config, ConfigError, ModelConfig, from_dict
+from mjax.convert import orbax_io
+from mjax.convert.gpt2 import GPT2
+from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
+from mjax.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
+from mjax.convert.spec import ConversionError, Dims, Family, flatten
+
+log = logging.getLogger(__name__)
+FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2) for a in f.architectures}
+MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+# HF keys the families write; an original config's other keys (bos/eos ids, ...) are carried through on export.
+MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures")
+
+
+def read_hf_config(directory) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{directory} has no config.json: not a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def family_for(hf: dict) -> Family:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    if archs:
+        raise ConversionError(f"architecture {archs[0]!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    raise ConversionError(f"config.json names no architecture (model_type {hf.get('model_type')!r}); supported: "
+                          f"{', '.join(FAMILIES)}")
+
+
+def base_config(model_fields: dict) -> Config:
+    """Default Config around a converted model (sequence length capped by a learned position table)."""
+    seq = min(Config().train.seq_length, model_fields.get("max_position_embeddings") or 1 << 30)
+    return Config().replace(model=model_fields, train={"seq_length": seq})
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    fields = family_for(hf).config_from_hf(hf)
+    try:
+        cfg = base_config(fields)
+        cfg.validate()
+    except ConfigError as e:
+        raise ConversionError(f"the HF config gives an invalid mjax model: {e}") from e
+    return cfg.model
+
+
+def param_shapes(model_cfg) -> dict:
+    from mjax.model import build_model  # noqa: PLC0415
+
+    return {p: tuple(x.shape) for p, x in flatten(build_model(model_cfg).abstract_params()).items()}
+
+
+def _layer_shapes(rule, shapes) -> tuple:
+    return tuple(shapes[p][1:] if rule.per_layer else shapes[p] for p in rule.mjax)
+
+
+def plan_import(reader: SafetensorsReader, family: Family, model_cfg) -> list:
+    """[(rule, [HF names])] after checking every name and shape; unexpected tensors are an error too."""
+    shapes, dims = param_shapes(model_cfg), Dims.of(model_cfg)
+    plan, used = [], set()
+    for r in family.active_rules(shapes):
+        want = r.transform.hf_shape(_layer_shapes(r, shapes), dims)
+        names = []
+        for name in family.hf_names(r, dims.layers):
+            found = _resolve(reader, family, name)
+            if found is None:
+                raise ConversionError(f"tensor {name!r} is missing from {reader.directory} (needed for "
+                                      f"{', '.join(r.mjax)}; the {family.name} config expects it)")
+            if reader.shape(found) != want:
+                raise ConversionError(f"tensor {found!r} has shape {list(reader.shape(found))}, expected "
+                                      f"{list(want)} from config.json (mjax {', '.join(r.mjax)})")
+            names.append(found)
+            used.add(found)
+        plan.append((r, names))
+    ignorable = family.ignore + (() if model_cfg.untie_embeddings_and_output_weights else (family.tied_output,))
+    extra = [n for n in reader.names() if n not in used and not n.endswith(ignorable)]
+    if extra:
+        raise ConversionError(f"{len(extra)} tensor(s) in {reader.directory} have no place in the {family.name} "
+                              f"mapping (is config.json right?): {', '.join(sorted(extra)[:8])}")
+    return plan
+
+
+def _resolve(reader, family, name):
+    if name in reader:
+        return name
+    for prefix in family.strip_prefixes:
+        if name.startswith(prefix) and name[len(prefix):] in reader:
+            return name[len(prefix):]
+    return None
+
+
+def iter_params(directory, dtype=None):
+    """(ModelConfig, generator of flat {mjax path: np.ndarray} chunks); one rule's stacked tensors per chunk.
+
+    dtype: None keeps each tensor's stored dtype; else e.g. "float32"/"bfloat16".
+    """
+    hf = read_hf_config(directory)
+    family = family_for(hf)
+    model_cfg = model_config_from_hf(hf)
+    reader = SafetensorsReader(directory)
+    plan = plan_import(reader, family, model_cfg)  # every check happens before the first read
+    dims = Dims.of(model_cfg)
+
+    def chunks():
+        for r, names in plan:
+            out = None
+            for i, name in enumerate(names):
+                parts = r.transform.to_mjax(reader.get(name), dims)
+                if dtype is not None:
+                    parts = tuple(p.astype(dtype) for p in parts)
+                if not r.per_layer:
+                    out = dict(zip(r.mjax, parts))
+                    break
+                if out is None:  # stacked [L, ...] buffers, filled layer by layer
+                    out = {p: np.empty((dims.layers,) + x.shape, x.dtype) for p, x in zip(r.mjax, parts)}
+                for p, x in zip(r.mjax, parts):
+                    out[p][i] = x
+            yield out
+
+    return model_cfg, chunks()
+
+
+def copy_tokenizer(src, dst) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
+    """Converts an HF model directory into an mjax params-only checkpoint (layout: mjax.convert.orbax_io)."""
+    output = Path(output_dir)
+    model_cfg, chunks = iter_params(input_dir, dtype)
+    output.mkdir(parents=True, exist_ok=True)
+    nbytes = orbax_io.save_params_streaming(output, chunks)
+    orbax_io.write_json(output / orbax_io.CONFIG, base_config(dataclasses.asdict(model_cfg)).to_dict())
+    shutil.copy(Path(input_dir) / "config.json", output / orbax_io.HF_CONFIG)
+    copy_tokenizer(input_dir, output)
+    return {"model": model_cfg.name, "bytes": nbytes}
+
+
+def infer_family(m) -> Family:
+    if m.position_embedding_type == "learned":
+        return GPT2
+    if m.add_qkv_bias:
+        return QWEN2
+    return MISTRAL if m.sliding_window else LLAMA
+
+
+def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:
+    generated = family.config_to_hf(m, original)
+    base = {k: v for k, v in (original or {}).items() if k not in MANAGED}
+    if original and family_for(original) is not family:
+        base = {}  # a different architecture: the original's keys may not apply
+    return {**base, **generated, "vocab_size": m.vocab_size, "torch_dtype": str(np.dtype(dtype))}
+
+
+def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = None,
+               max_shard_bytes: int = 5 << 30) -> dict:
+    """Converts an mjax checkpoint (config.json + params/) into an HF directory that transformers loads."""
+    src, output = Path(input_dir), Path(output_dir)
+    if not orbax_io.is_mjax_checkpoint(src):
+        raise ConversionError(f"{src} is not an mjax checkpoint (expected config.json with a model section and "
+                              "params/)")
+    cfg = from_dict(json.loads((src / orbax_io.CONFIG).read_text()))
+    m = cfg.model
+    original = json.loads((src / orbax_io.HF_CONFIG).read_text()) if (src / orbax_io.HF_CONFIG).exists() else None
+    if architecture:
+        if architecture not in FAMILIES:
+            raise ConversionError(f"--architecture={architecture} is not supported; supported: {', '.join(FAMILIES)}")
+        family = FAMILIES[architecture]
+    else:
+        family = family_for(original) if original else infer_family(m)
+    meta = orbax_io.param_metadata(src)
+    shapes = {p: s for p, (s, _) in meta.items()}
+    want = param_shapes(m)
+    for p, s in want.items():  # the stored vocab padding may differ; everything else must match
+        if p in shapes and p not in orbax_io.VOCAB_AXES and shapes[p] != s:
+            raise ConversionError(f"parameter {p!r}: checkpoint has shape {shapes[p]}, config.json implies {s}")
+    dims = dataclasses.replace(Dims.of(m), vp=shapes.get("embed/embedding", (0,))[0])
+    rules = family.active_rules(want)
+    out_dtype = lambda r: np.dtype(dtype) if dtype else meta[r.mjax[0]][1]  # noqa: E731
+    plan = [(name, r.transform.hf_shape(_layer_shapes(r, shapes), dims), out_dtype(r))
+            for r in rules for name in family.hf_names(r, dims.layers)]
+    output.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsWriter(output, plan, max_shard_bytes)
+    for r in rules:
+        stacked = orbax_io.read_params(src, r.mjax)  # one parameter group in memory at a time
+        names = family.hf_names(r, dims.layers)
+        for i, name in enumerate(names):
+            parts = tuple(stacked[p][i] if r.per_layer else stacked[p] for p in r.mjax)
+            writer.write(name, np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(out_dtype(r), copy=False))
+        del stacked
+    writer.close()
+    first_dtype = plan[0][2]
+    orbax_io.write_json(output / "config.json", hf_config_for(m, family, original, first_dtype))
+    copy_tokenizer(src, output)
+    return {"architecture": family.architectures[0], "tensors": len(plan), "bytes": writer.total,
+            "files": writer.files}
+
+
+def params_from_hf(directory, dtype=None) -> tuple[ModelConfig, dict]:
+    """The whole model in memory as a flat {path: np.ndarray} (load_pretrained on an HF directory)."""
+    model_cfg, chunks = iter_params(directory, dtype)
+    flat = {}
+    for chunk in chunks:
+        flat.update(chunk)
+    return model_cfg, flat
+
+
+__all__ = ["ConversionError", "hf_to_mjax", "iter_params", "mjax_to_hf", "model_config_from_hf", "params_from_hf"]

@@ -1,0 +1,163 @@
+"""Params-only mjax checkpoints, written tensor group by tensor group so host memory stays near one stacked tensor.
+
+Layout of a converted checkpoint directory `<dir>` (what `--load_params_only` must accept):
+
+    <dir>/config.json       `Config.to_dict()` (model section from the HF config; other sections are defaults)
+    <dir>/params/           an Orbax PyTree checkpoint (OCDBT, zarr3) of the plain params dict, exactly the tree
+                            `build_model(cfg.model).abstract_params()` describes: {"embed": {"embedding": ...},
+                            "layers": {"attn": {"q_proj": {"kernel": [L, D, N, H]}, ...}}, ...}. Leaves are numpy
+                            arrays in the checkpoint's dtype (the HF dtype, e.g. bfloat16, unless --dtype chose one);
+                            cast to params_dtype on restore. Vocab tables are padded to
+                            `padded_vocab_size(tp=1)` with zero rows; a run with tp > 1 may need more padding
+                            (`restore` below pads or trims the vocab axis of `embed/embedding` and `lm_head/kernel`).
+                            Read it with `ocp.StandardCheckpointer().restore(<dir>/params, abstract_params)` or
+                            `ocp.PyTreeCheckpointer().restore(<dir>/params)`; no step directory, no optimizer state.
+    <dir>/hf_config.json    the source HF config.json (kept so that export writes back the same extra keys)
+    <dir>/tokenizer*.json, vocab/merges files, generation_config.json: copied from the HF directory
+
+Streaming uses Orbax's partial save (`orbax.checkpoint.experimental.v1.partial`): each call adds a few stacked
+tensors to a staging checkpoint, `finalize` commits it, and the PyTree directory is moved to `<dir>/params`.
+"""
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mjax.convert.spec import ConversionError, flatten, unflatten
+
+log = logging.getLogger(__name__)
+PARAMS = "params"
+CONFIG = "config.json"
+HF_CONFIG = "hf_config.json"
+VOCAB_AXES = {"embed/embedding": 0, "lm_head/kernel": 1}
+
+
+def _ocp():
+    import orbax.checkpoint as ocp  # noqa: PLC0415  (heavy; only when reading or writing)
+
+    return ocp
+
+
+def is_mjax_checkpoint(directory) -> bool:
+    d = Path(directory)
+    if not (d / CONFIG).exists() or not (d / PARAMS).is_dir():
+        return False
+    return "model" in json.loads((d / CONFIG).read_text())
+
+
+def save_params_streaming(directory, chunks: Iterable[dict]) -> int:
+    """Writes `<directory>/params` from an iterable of flat {path: np.ndarray} dicts (disjoint); returns bytes."""
+    directory = Path(directory)
+    target, staging = directory / PARAMS, directory / "params_staging"
+    if target.exists():
+        raise ConversionError(f"{target} already exists; remove it or choose another --output")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(staging.with_name(staging.name + ".partial_save"), ignore_errors=True)
+    try:
+        from orbax.checkpoint.experimental.v1 import partial  # noqa: PLC0415
+    except ImportError:  # an Orbax without partial saves: correct, but holds the whole model once
+        log.warning("this Orbax has no partial save; writing the params in one piece (more host memory)")
+        tree = {}
+        for chunk in chunks:
+            tree.update(chunk)
+        save_params(directory, unflatten(tree))
+        return sum(x.nbytes for x in tree.values())
+    total = 0
+    for chunk in chunks:
+        partial.save(staging, unflatten(chunk))
+        total += sum(x.nbytes for x in chunk.values())
+        del chunk
+    partial.finalize(staging)
+    (staging / "state").rename(target)  # the PyTree directory of the v1 layout
+    shutil.rmtree(staging)
+    _write_v0_metadata(target)
+    return total
+
+
+def _write_v0_metadata(target: Path):
+    """The two small files a direct `PyTreeCheckpointer().save(target, ...)` leaves, so readers see no difference."""
+    handler = _ocp().PyTreeCheckpointHandler
+    now = time.time_ns()
+    write_json(target / "_CHECKPOINT_METADATA", {
+        "item_handlers": f"{handler.__module__}.{handler.__qualname__}", "metrics": {}, "performance_metrics": {},
+        "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}})
+    (target / "commit_success.txt").write_text(f"Checkpoint commit was successful to {target}")
+
+
+def save_params(directory, params: dict):
+    """Writes `<directory>/params` in one call (small models and tests)."""
+    _ocp().PyTreeCheckpointer().save(Path(directory).absolute() / PARAMS, params)
+
+
+def param_metadata(directory) -> dict:
+    """{path: (shape, dtype)} of the stored params, read from the checkpoint metadata only."""
+    meta = _ocp().PyTreeCheckpointer().metadata(Path(directory).absolute() / PARAMS)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flatten(dict(tree)).items()}
+
+
+def read_params(directory, paths: Iterable[str] | None = None) -> dict:
+    """Flat {path: np.ndarray} of the stored params (only `paths` when given: one stacked tensor at a time)."""
+    ocp = _ocp()
+    meta = param_metadata(directory)
+    paths = list(meta if paths is None else paths)
+    for p in paths:
+        if p not in meta:
+            raise ConversionError(f"parameter {p!r} is missing from the checkpoint {directory}/{PARAMS}")
+    item = unflatten({p: np.empty(0, meta[p][1]) for p in paths})
+    restore_args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    out = ocp.PyTreeCheckpointer().restore(
+        Path(directory).absolute() / PARAMS,
+        args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    return {p: np.asarray(v) for p, v in flatten(out).items()}
+
+
+def fit_vocab(path: str, x, padded: int):
+    """Pads (zeros) or trims the vocab axis of an embedding/output table to `padded` rows."""
+    axis = VOCAB_AXES.get(path)
+    if axis is None or x.shape[axis] == padded:
+        return x
+    if x.shape[axis] > padded:
+        return x[(slice(None),) * axis + (slice(0, padded),)]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, padded - x.shape[axis])
+    return np.pad(np.asarray(x), widths)
+
+
+def restore(directory, abstract_params: dict) -> dict:
+    """The params as jax Arrays matching `abstract_params` (ShapeDtypeStructs, with shardings if set): dtype cast,
+    vocab padding adapted. Leaves whose stored shape already matches are restored by Orbax straight onto their
+    shardings; a vocab table padded differently goes through host memory once."""
+    ocp = _ocp()
+    meta = param_metadata(directory)
+    flat = flatten(abstract_params)
+    missing = sorted(set(flat) - set(meta))
+    if missing:
+        raise ConversionError(f"{directory}/{PARAMS} lacks parameter(s) {', '.join(missing)}")
+    direct = {p: a for p, a in flat.items() if meta[p][0] == tuple(a.shape)}
+    out = {}
+    if direct:
+        restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / PARAMS, unflatten(direct))
+        out.update(flatten(restored))
+    for p, a in flat.items():
+        if p in direct:
+            continue
+        stored = read_params(directory, [p])[p]
+        if p not in VOCAB_AXES or np.delete(stored.shape, VOCAB_AXES[p]).tolist() != np.delete(
+                a.shape, VOCAB_AXES[p]).tolist():
+            raise ConversionError(f"parameter {p!r}: checkpoint has shape {stored.shape}, the model wants {a.shape}")
+        value = fit_vocab(p, stored, a.shape[VOCAB_AXES[p]]).astype(a.dtype)
+        sharding = getattr(a, "sharding", None)
+        out[p] = jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
+    return unflatten(out)
+
+
+def write_json(path, data: dict):
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,62 @@
+"""`load_pretrained(path)`: an mjax checkpoint directory or a Hugging Face model directory -> (model, Config)."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mjax.config import Config, PrecisionConfig, from_dict
+from mjax.convert import orbax_io
+from mjax.convert.spec import ConversionError, unflatten
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A model with its weights. `model(tokens)` maps int32 ids [batch, seq] to logits [batch, seq, vocab] with the
+    vocab padding removed. `params` is the plain params dict of `model_def` (mjax.model.ModelDef)."""
+    model_def: object
+    params: dict
+    config: Config
+
+    def __post_init__(self):
+        vocab, model_def = self.config.model.vocab_size, self.model_def
+        self._apply = jax.jit(lambda p, t, pos, seg: model_def.apply(p, t, pos, seg)[..., :vocab])  # [B, T, V]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.model.vocab_size
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        return self._apply(self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
+
+
+def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None) -> tuple[Pretrained, Config]:
+    """Loads `path` (an mjax checkpoint written by `scripts/convert_checkpoint.py` or an HF model directory with
+    config.json + safetensors). Params are cast to `dtype`; the forward pass computes in `compute_dtype`
+    (default: `dtype`). Returns (model, config)."""
+    from mjax.convert.hf import base_config, params_from_hf  # noqa: PLC0415
+    from mjax.model import build_model  # noqa: PLC0415
+
+    path = Path(path)
+    if orbax_io.is_mjax_checkpoint(path):
+        cfg = from_dict(json.loads((path / orbax_io.CONFIG).read_text()))
+        flat = orbax_io.read_params(path)
+    elif (path / "config.json").exists():
+        model_cfg, flat = params_from_hf(path)
+        cfg = base_config(dataclasses.asdict(model_cfg))
+    else:
+        raise ConversionError(f"{path}: neither an mjax checkpoint (config.json + params/) nor an HF model directory")
+    precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
+    cfg = dataclasses.replace(cfg, precision=precision)
+    model_def = build_model(cfg.model, precision)
+    padded = model_def.vocab_size
+    params = unflatten({p: jnp.asarray(orbax_io.fit_vocab(p, x, padded).astype(np.dtype(dtype)))
+                        for p, x in flat.items()})
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), model_def.abstract_params())
+    got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    if got != want:
+        raise ConversionError(f"{path}: stored params do not match the model built from its config")
+    return Pretrained(model_def, params, cfg), cfg

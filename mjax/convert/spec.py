@@ -1,0 +1,207 @@
+"""The conversion mechanism: a model family is data (tables of tensor names and small two-way transforms).
+
+A `Rule` ties one Hugging Face tensor to one or more mjax parameters (several when HF fuses them, e.g. GPT-2's
+`c_attn` = Q, K, V). A `Transform` converts in both directions and states the HF shape it expects, so a wrong
+checkpoint fails with the tensor's name instead of a reshape error. Names containing `{i}` are per layer; their mjax
+parameters are stacked on a leading `layers` axis. Rules whose mjax parameters the model does not have (a bias the
+config turns off, `lm_head` when embeddings are tied) are skipped.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message names the tensor, key or architecture."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Sizes the transforms need, from a ModelConfig."""
+    d: int  # hidden
+    n: int  # query heads
+    k: int  # KV heads
+    h: int  # head dim
+    f: int  # MLP hidden
+    v: int  # vocab (tokenizer)
+    vp: int  # padded vocab (mjax tables)
+    layers: int
+
+    @classmethod
+    def of(cls, m, tp: int = 1) -> "Dims":
+        return cls(m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
+                   m.vocab_size, m.padded_vocab_size(tp), m.num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """HF array <-> tuple of mjax arrays (one per target; per layer for per-layer rules)."""
+    name: str
+    to_mjax: Callable[[np.ndarray, Dims], tuple]
+    to_hf: Callable[[tuple, Dims], np.ndarray]
+    hf_shape: Callable[[tuple, Dims], tuple]  # (mjax target shapes, dims) -> the HF shape
+
+
+def _single(name, fwd, inv, shape):
+    return Transform(name, lambda x, d: (fwd(x, d),), lambda ys, d: inv(ys[0], d), lambda s, d: shape(s[0], d))
+
+
+def _pad_rows(x, rows):  # [V, ...] -> [rows, ...] with zero rows appended
+    out = np.zeros((rows,) + x.shape[1:], x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+IDENTITY = _single("identity", lambda x, d: x, lambda y, d: y, lambda s, d: s)
+# torch Linear weight [out, in] <-> mjax kernel [in, out]
+LINEAR = _single("linear", lambda x, d: x.T, lambda y, d: y.T, lambda s, d: s[::-1])
+# q/k/v projection: [heads * head_dim, D] <-> [D, heads, head_dim]
+HEADS_OUT = _single("heads_out", lambda x, d: x.T.reshape(x.shape[1], -1, d.h),  # [D, heads, H]
+                    lambda y, d: y.reshape(y.shape[0], -1).T, lambda s, d: (s[1] * s[2], s[0]))
+# o projection: [D, heads * head_dim] <-> [heads, head_dim, D]
+HEADS_IN = _single("heads_in", lambda x, d: x.T.reshape(-1, d.h, x.shape[0]),  # [N, H, D]
+                   lambda y, d: y.reshape(-1, y.shape[-1]).T, lambda s, d: (s[2], s[0] * s[1]))
+# q/k/v bias: [heads * head_dim] <-> [heads, head_dim]
+HEADS_BIAS = _single("heads_bias", lambda x, d: x.reshape(-1, d.h), lambda y, d: y.reshape(-1),
+                     lambda s, d: (s[0] * s[1],))
+# Conv1D (GPT-2) weights are already [in, out]: only the head axes are split or merged.
+CONV_HEADS_OUT = _single("conv_heads_out", lambda x, d: x.reshape(x.shape[0], -1, d.h),  # [D, heads, H]
+                         lambda y, d: y.reshape(y.shape[0], -1), lambda s, d: (s[0], s[1] * s[2]))
+CONV_HEADS_IN = _single("conv_heads_in", lambda x, d: x.reshape(-1, d.h, x.shape[1]),  # [N, H, D]
+                        lambda y, d: y.reshape(-1, y.shape[-1]), lambda s, d: (s[0] * s[1], s[2]))
+# Embedding [V, D] <-> [padded V, D]: padded rows are zero on import and dropped on export.
+EMBED = _single("embed", lambda x, d: _pad_rows(x, d.vp), lambda y, d: y[: d.v], lambda s, d: (d.v, s[1]))
+# Output layer [V, D] <-> kernel [D, padded V]
+LM_HEAD = _single("lm_head", lambda x, d: _pad_rows(x, d.vp).T, lambda y, d: y[:, : d.v].T, lambda s, d: (d.v, s[0]))
+
+
+def fused(parts: tuple[Transform, ...], axis: int, sizes: Callable[[Dims], tuple]) -> Transform:
+    """One HF tensor holding several mjax tensors side by side along `axis` of the HF layout (QKV, gate/up);
+    `sizes(dims)` gives each part's extent along that axis."""
+
+    def to_mjax(x, d):
+        pieces = np.split(x, np.cumsum(sizes(d))[:-1], axis=axis)
+        return tuple(p.to_mjax(piece, d)[0] for p, piece in zip(parts, pieces))
+
+    def to_hf(ys, d):
+        return np.concatenate([p.to_hf((y,), d) for p, y in zip(parts, ys)], axis=axis)
+
+    def hf_shape(shapes, d):
+        shape = list(parts[0].hf_shape((shapes[0],), d))
+        shape[axis] = sum(sizes(d))
+        return tuple(shape)
+
+    return Transform("fused(" + ",".join(p.name for p in parts) + ")", to_mjax, to_hf, hf_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: str  # HF tensor name; `{i}` marks a per-layer tensor
+    mjax: tuple[str, ...]  # mjax parameter paths, "/"-separated ("layers/attn/q_proj/kernel")
+    transform: Transform = IDENTITY
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def rule(hf: str, mjax: str | tuple[str, ...], transform: Transform = IDENTITY) -> Rule:
+    return Rule(hf, (mjax,) if isinstance(mjax, str) else tuple(mjax), transform)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its HF architectures, the tensor table and the config translation (both directions)."""
+    name: str
+    architectures: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    config_from_hf: Callable[[dict], dict]  # HF config.json -> ModelConfig fields
+    config_to_hf: Callable[[object], dict]  # ModelConfig -> HF config.json entries
+    ignore: tuple[str, ...] = ()  # suffixes of HF tensors that hold no weights (e.g. causal-mask buffers)
+    strip_prefixes: tuple[str, ...] = ()  # a name missing from the file is also looked up without these prefixes
+    tied_output: str = "lm_head.weight"  # ignored when present in a tied model (HF ties it to the embedding)
+
+    def active_rules(self, param_shapes: dict) -> list[Rule]:
+        """The rules whose mjax targets the model has; a rule with only some of its targets is an error."""
+        active = []
+        for r in self.rules:
+            present = [p in param_shapes for p in r.mjax]
+            if all(present):
+                active.append(r)
+            elif any(present):
+                missing = [p for p, ok in zip(r.mjax, present) if not ok]
+                raise ConversionError(f"{self.name}: HF tensor {r.hf!r} maps to {', '.join(r.mjax)} but the model "
+                                      f"config has no {', '.join(missing)}")
+        covered = {p for r in active for p in r.mjax}
+        unmapped = sorted(set(param_shapes) - covered)
+        if unmapped:
+            raise ConversionError(f"{self.name}: no HF tensor maps to mjax parameter(s) {', '.join(unmapped)}; "
+                                  "this config is outside what the family's table covers")
+        return active
+
+    def hf_names(self, r: Rule, layers: int) -> list[str]:
+        return [r.hf.format(i=i) for i in range(layers)] if r.per_layer else [r.hf]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """Nested dict -> {"a/b/c": leaf}."""
+    out = {}
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, path + "/"))
+        else:
+            out[path] = v
+    return out
+
+
+def unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree
+
+
+# ---- config translation helpers (tables of (HF key, ModelConfig field, default)) ----
+
+REQUIRED = object()
+
+
+def read_keys(hf: dict, table, family: str) -> dict:
+    """ModelConfig fields from HF config keys; a REQUIRED key that is absent is an error naming it."""
+    out = {}
+    for key, field, default in table:
+        value = hf.get(key)
+        if value is None:
+            if default is REQUIRED:
+                raise ConversionError(f"{family} config.json has no {key!r}")
+            value = default
+        out[field] = value
+    return out
+
+
+def write_keys(m, table) -> dict:
+    return {key: getattr(m, field) for key, field, _ in table}
+
+
+def check_values(hf: dict, table, family: str):
+    """table: (HF key, allowed values, default when absent); anything else is unsupported, named in the error."""
+    for key, allowed, default in table:
+        value = hf.get(key, default)
+        if value not in allowed:
+            raise ConversionError(f"{family}: config.json {key}={value!r} is not supported (mjax supports "
+                                  f"{' or '.join(repr(a) for a in allowed)})")
+
+
+def check_fixed(m, fixed: dict, family: str):
+    """Export: the mjax model must have the family's fixed features (e.g. Llama: rmsnorm, swiglu, rope)."""
+    for field, want in fixed.items():
+        if getattr(m, field) != want:
+            raise ConversionError(f"cannot write model.{field}={getattr(m, field)!r} as {family} (it needs {want!r}); "
+                                  "choose another --architecture")
