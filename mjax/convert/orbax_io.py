@@ -8,8 +8,8 @@ Layout of a converted checkpoint directory `<dir>` (what `--load_params_only` mu
                             "layers": {"attn": {"q_proj": {"kernel": [L, D, N, H]}, ...}}, ...}. Leaves are numpy
                             arrays in the checkpoint's dtype (the HF dtype, e.g. bfloat16, unless --dtype chose one);
                             cast to params_dtype on restore. Vocab tables are padded to
-                            `padded_vocab_size(tp=1)` with zero rows; a run with tp > 1 may need more padding
-                            (`restore` below pads or trims the vocab axis of `embed/embedding` and `lm_head/kernel`).
+                            `model.padded_vocab_size()` with zero rows (`restore` below pads or trims the vocab
+                            axis of `embed/embedding` and `lm_head/kernel` if a run pads differently).
                             Read it with `ocp.StandardCheckpointer().restore(<dir>/params, abstract_params)` or
                             `ocp.PyTreeCheckpointer().restore(<dir>/params)`; no step directory, no optimizer state.
     <dir>/hf_config.json    the source HF config.json (kept so that export writes back the same extra keys)
@@ -53,7 +53,7 @@ def is_mjax_checkpoint(directory) -> bool:
 
 def save_params_streaming(directory, chunks: Iterable[dict]) -> int:
     """Writes `<directory>/params` from an iterable of flat {path: np.ndarray} dicts (disjoint); returns bytes."""
-    directory = Path(directory)
+    directory = Path(directory).absolute()  # Orbax wants absolute paths
     target, staging = directory / PARAMS, directory / "params_staging"
     if target.exists():
         raise ConversionError(f"{target} already exists; remove it or choose another --output")

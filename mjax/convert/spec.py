@@ -30,9 +30,9 @@ class Dims:
     layers: int
 
     @classmethod
-    def of(cls, m, tp: int = 1) -> "Dims":
+    def of(cls, m) -> "Dims":
         return cls(m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                   m.vocab_size, m.padded_vocab_size(tp), m.num_layers)
+                   m.vocab_size, m.padded_vocab_size(), m.num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

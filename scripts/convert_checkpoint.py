@@ -1,0 +1,62 @@
+"""Converts checkpoints between Hugging Face and mjax (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2).
+
+    python scripts/convert_checkpoint.py --direction=hf_to_mjax --input=path/to/hf_model --output=ckpt/llama
+    python scripts/train.py --config=ckpt/llama/config.json --load=ckpt/llama --load_params_only ...
+    python scripts/convert_checkpoint.py --direction=mjax_to_hf --input=ckpt/llama --output=path/to/hf_out
+
+hf_to_mjax reads config.json and model.safetensors (or shards with model.safetensors.index.json) and writes
+config.json, params/ (an Orbax PyTree checkpoint of the params) and the tokenizer files; mjax_to_hf writes
+config.json, safetensors shards (+ index) and the tokenizer files, which `transformers` loads. Tensors stream one
+(stacked) parameter at a time, so host memory stays near the largest parameter, not the model.
+"""
+
+import os
+import resource
+import sys
+import time
+
+from absl import app, flags
+
+from mjax.logging_setup import setup_logging
+
+flags.DEFINE_enum("direction", None, ["hf_to_mjax", "mjax_to_hf"], "Which way to convert.")
+flags.DEFINE_string("input", None, "Source directory (HF model directory or mjax checkpoint).")
+flags.DEFINE_string("output", None, "Destination directory (created).")
+flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"],
+                  "Dtype of the written tensors; `source` keeps each tensor's stored dtype.")
+flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
+                    "else inferred: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM or LlamaForCausalLM).")
+flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.")
+flags.mark_flags_as_required(["direction", "input", "output"])
+FLAGS = flags.FLAGS
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; keep accelerators free
+    setup_logging()
+    from mjax.convert import ConversionError, hf_to_mjax, mjax_to_hf  # noqa: PLC0415
+
+    dtype = None if FLAGS.dtype == "source" else FLAGS.dtype
+    t0 = time.perf_counter()
+    try:
+        if FLAGS.direction == "hf_to_mjax":
+            summary = hf_to_mjax(FLAGS.input, FLAGS.output, dtype=dtype)
+        else:
+            summary = mjax_to_hf(FLAGS.input, FLAGS.output, dtype=dtype, architecture=FLAGS.architecture,
+                                 max_shard_bytes=FLAGS.max_shard_size_mb * 10**6)
+    except (ConversionError, FileNotFoundError) as e:
+        sys.exit(f"convert_checkpoint: {e}")
+    gb = summary["bytes"] / 1e9
+    print(f"converted {FLAGS.input} -> {FLAGS.output} ({FLAGS.direction}): {gb:.3f} GB of tensors in "
+          f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_bytes() / 1e9:.2f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
