@@ -75,8 +75,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to make_vocab_size_divisible_by. Unlike Megatron it does not depend on tp, so
+        checkpoints restore onto any layout; validation requires it to be divisible by tp."""
+        multiple = self.make_vocab_size_divisible_by
         return math.ceil(self.vocab_size / multiple) * multiple
 
 
@@ -91,6 +93,9 @@ class ParallelConfig:
     dp: int = _field(-1, "dp", "Data-parallel size; -1 fills the remaining devices.")
     sequence_parallel: bool = _field(False, "sequence_parallel")
     use_distributed_optimizer: bool = _field(False, "use_distributed_optimizer", "ZeRO-1.")
+    coordinator_address: str | None = _field(None, "coordinator_address", "host:port of process 0 (multi-host).")
+    num_processes: int | None = _field(None, "num_processes")
+    process_id: int | None = _field(None, "process_id")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,10 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"--model.num_query_groups={m.num_kv_heads} and --tp={tp}: one must divide the other "
             "(KV heads are split over tp, or replicated when fewer than tp)")
+    if m.padded_vocab_size() % tp:
+        raise ConfigError(
+            f"the padded vocab {m.padded_vocab_size()} is not divisible by --tp={tp}; set "
+            "--make_vocab_size_divisible_by to a multiple of tp")
     if m.ffn_hidden_size % tp:
         raise ConfigError(f"--model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by --tp={tp}")
     if m.position_embedding_type == "learned" and cfg.train.seq_length > m.max_position_embeddings:
@@ -130,10 +134,10 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     _choice(o.lr_wsd_decay_style, ("linear", "cosine", "minus_sqrt"), "lr_wsd_decay_style")
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"need 0 <= --min_lr <= --lr, got min_lr={o.min_lr}, lr={o.lr}")
-    decay_iters = o.lr_decay_iters or t.train_iters
-    if o.lr_warmup_iters < 0 or o.lr_warmup_iters > decay_iters:
-        raise ConfigError(
-            f"--lr_warmup_iters={o.lr_warmup_iters} must be between 0 and the decay length {decay_iters}")
+    if o.lr_warmup_iters < 0:  # a warmup longer than the run is allowed: short runs of long-run presets
+        raise ConfigError(f"--lr_warmup_iters must be >= 0, got {o.lr_warmup_iters}")
+    if o.lr_decay_iters is not None and o.lr_decay_iters <= 0:
+        raise ConfigError(f"--lr_decay_iters must be positive, got {o.lr_decay_iters}")
     if o.lr_decay_style == "wsd" and not o.lr_wsd_decay_iters:
         raise ConfigError("--lr_decay_style=wsd needs --lr_wsd_decay_iters (the length of the final decay)")
     if o.clip_grad < 0:

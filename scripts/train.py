@@ -34,6 +34,9 @@ def main(argv):
 
         import jax  # noqa: PLC0415
 
+        from mjax.parallel.distributed import initialize  # noqa: PLC0415
+
+        initialize(cfg.parallel)
         cfg.validate(jax.device_count())
         train(cfg)
     except ConfigError as e:

@@ -35,7 +35,7 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(train=dict(global_batch_size=12)), 8, "global_batch_size=12 is not divisible by the data-parallel size 8"),
     (dict(train=dict(global_batch_size=16, micro_batch_size=4)), 8, "micro_batch_size=4"),
     (dict(model=dict(activation="relu")), 1, "--model.activation='relu' is not one of"),
-    (dict(optimizer=dict(lr_warmup_iters=500)), 1, "lr_warmup_iters=500"),
+    (dict(optimizer=dict(lr_warmup_iters=-1)), 1, "lr_warmup_iters must be >= 0"),
     (dict(optimizer=dict(lr_decay_style="wsd")), 1, "needs --lr_wsd_decay_iters"),
     (dict(optimizer=dict(min_lr=1.0)), 1, "min_lr <= --lr"),
     (dict(precision=dict(compute_dtype="float8")), 1, "compute_dtype"),

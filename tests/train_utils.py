@@ -30,3 +30,8 @@ def pattern_batches(cfg, seed=0, nan_mask_at=None):
                "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
                "segment_ids": np.ones((b, t), np.int32)}
         i += 1
+
+
+def multiprocess_config():
+    """The layout of the two-process test: tp=2 x dp=4 over 2 processes x 4 devices."""
+    return tiny_config(parallel=dict(tp=2), train=dict(train_iters=3))

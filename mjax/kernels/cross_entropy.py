@@ -15,7 +15,10 @@ def cross_entropy_reference(logits, targets, *, vocab_size: int, z_loss_coeff: f
         pad = jnp.arange(logits.shape[-1]) >= vocab_size
         logits = jnp.where(pad, -jnp.inf, logits)
     log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # A masked sum rather than a gather: with the vocab split over tensor-parallel devices each device sums its own
+    # slice and only [B, T] partial sums are all-reduced, never the logits.
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
     loss = log_z - target_logit
     if z_loss_coeff:
         loss = loss + z_loss_coeff * jnp.square(log_z)

@@ -19,10 +19,9 @@ class ModelDef:
     cfg: object  # ModelConfig
     dtype: str = "float32"
     param_dtype: str = "float32"
-    tp: int = 1
 
     def module(self, key) -> CausalLM:
-        return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), tp=self.tp,
+        return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
                         rngs=nnx.Rngs(params=key))
 
     @functools.cached_property
@@ -55,14 +54,14 @@ class ModelDef:
 
     @property
     def vocab_size(self) -> int:
-        return self.cfg.padded_vocab_size(self.tp)
+        return self.cfg.padded_vocab_size()
 
 
-def build_model(cfg, precision=None, tp: int = 1) -> ModelDef:
+def build_model(cfg, precision=None) -> ModelDef:
     """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes)."""
     if precision is None:
-        return ModelDef(cfg, tp=tp)
-    return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype, tp=tp)
+        return ModelDef(cfg)
+    return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype)
 
 
 def count_params(params) -> int:

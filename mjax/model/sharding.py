@@ -24,11 +24,19 @@ def param(value, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def logical_to_spec(axes, rules: dict) -> PartitionSpec:
-    """Maps logical names to mesh axes; a mesh axis is used at most once (later uses are left unsharded)."""
+def logical_to_spec(axes, rules: dict, shape=None, mesh=None) -> PartitionSpec:
+    """Maps logical names to mesh axes. A mesh axis is used at most once (later uses are left unsharded); with
+    `shape` and `mesh`, a dim not divisible by its mesh axes stays unsharded (e.g. KV heads fewer than tp are
+    replicated) and its mesh axes stay free for later dims."""
     used, spec = set(), []
-    for name in axes:
+    for i, name in enumerate(axes):
         mesh_axes = tuple(a for a in (rules.get(name) or ()) if a not in used)
+        if shape is not None and mesh_axes:
+            size = 1
+            for a in mesh_axes:
+                size *= mesh.shape[a]
+            if shape[i] % size:
+                mesh_axes = ()
         used.update(mesh_axes)
         spec.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
     return PartitionSpec(*spec)
@@ -49,4 +57,4 @@ def constrain(x, axes: tuple[str | None, ...]):
     if ctx is None:
         return x
     mesh, rules = ctx
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, x.shape, mesh)))

@@ -39,12 +39,12 @@ def remat_policy(cfg):
 class CausalLM(nnx.Module):
     """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Layers live stacked in `self.layers`."""
 
-    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, tp: int = 1, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if cfg.num_experts is not None:
             raise NotImplementedError(
                 f"model {cfg.name!r} has num_experts={cfg.num_experts}: MoE layers are not implemented yet")
         self.cfg, self.dtype = cfg, dtype
-        self.vocab = cfg.padded_vocab_size(tp)
+        self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
         self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if cfg.position_embedding_type == "learned":
@@ -70,7 +70,9 @@ class CausalLM(nnx.Module):
         cfg = self.cfg
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed(tokens)  # [B, T, D]
+        # Looked up with the sequence whole: a vocab-parallel table then costs a masked lookup and one reduction
+        # of [B, T, D] instead of an all-gather of the table; sequence parallelism splits the result afterwards.
+        x = constrain(self.embed(tokens), ("batch", "seq", "act_embed"))  # [B, T, D]
         if cfg.position_embedding_type == "learned":
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
         x = constrain(x, RESIDUAL)

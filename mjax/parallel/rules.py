@@ -28,30 +28,30 @@ def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
     }
 
 
-def param_shardings(mesh, logical_axes: dict, rules: dict, abstract_params: dict | None = None):
-    """NamedShardings for a params tree. A dim not divisible by its mesh axes is left unsharded on that axis
-    (e.g. KV heads fewer than tp are replicated)."""
-
-    def one(axes, leaf=None):
-        spec = logical_to_spec(axes, rules)
-        if leaf is not None:
-            spec = PartitionSpec(*(_fit(s, dim, mesh) for s, dim in zip(spec, leaf.shape)))
-        return NamedSharding(mesh, spec)
-
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)  # noqa: E731
-    if abstract_params is None:
-        return jax.tree.map(one, logical_axes, is_leaf=is_axes)
-    return jax.tree.map(one, logical_axes, abstract_params, is_leaf=is_axes)
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
-def _fit(spec_entry, dim: int, mesh):
-    if spec_entry is None:
-        return None
-    axes = (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    return spec_entry if dim % size == 0 else None
+def param_shardings(mesh, logical_axes: dict, rules: dict, abstract_params: dict):
+    """NamedShardings for a params tree (dims not divisible by their mesh axes stay unsharded)."""
+    return jax.tree.map(lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, rules, leaf.shape, mesh)),
+                        logical_axes, abstract_params, is_leaf=_is_axes)
+
+
+def add_axis(sharding: NamedSharding, shape, axis: str) -> NamedSharding:
+    """Also shard over mesh `axis` (ZeRO-1): on the first dim that stays divisible, else unchanged."""
+    mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    if mesh.shape[axis] == 1 or any(axis in ((e,) if isinstance(e, str) else (e or ())) for e in spec):
+        return sharding
+    for i, entry in enumerate(spec):
+        current = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        size = mesh.shape[axis]
+        for a in current:
+            size *= mesh.shape[a]
+        if shape[i] % size == 0:
+            spec[i] = (axis, *current) if current else axis
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return sharding
 
 
 def batch_sharding(mesh, ndim: int = 3, leading: bool = True) -> NamedSharding:
@@ -69,17 +69,32 @@ def _dict_keys(path) -> tuple:
     return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def state_shardings(mesh, abstract_state, params_sharding: dict):
-    """Shardings for any pytree holding params-shaped subtrees (optimizer moments): a leaf whose dict-key path
-    ends with a parameter's path and has its shape gets that parameter's sharding; everything else is replicated."""
-    by_path = {_dict_keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(params_sharding)[0]}
+def state_shardings(mesh, abstract_state, params_sharding: dict, zero1: bool = False):
+    """Shardings of the train state. `params` keep their own; a leaf elsewhere (optimizer moments) whose dict-key
+    path ends with a parameter's path and has its shape gets that parameter's sharding, additionally split over
+    the `data` axis with ZeRO-1; everything else is replicated."""
+    flat = jax.tree_util.tree_flatten_with_path(params_sharding)[0]
+    by_path = {_dict_keys(p): s for p, s in flat}
 
     def one(path, leaf):
         keys = _dict_keys(path)
+        in_params = any(getattr(k, "name", None) == "params" for k in path)
         for start in range(len(keys)):
             sharding = by_path.get(keys[start:])
             if sharding is not None and len(sharding.spec) <= len(getattr(leaf, "shape", ())):
-                return sharding
+                return add_axis(sharding, leaf.shape, "data") if zero1 and not in_params else sharding
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def bytes_per_device(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a tree placed with `shardings` (the largest shard of each leaf)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+        shape = sharding.shard_shape(leaf.shape)
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * leaf.dtype.itemsize
+    return total

@@ -7,11 +7,12 @@ import time
 import jax
 import numpy as np
 
+from mjax.checkpoint import Checkpointer, position_data
 from mjax.config_validation import resolve_batch
 from mjax.model import build_model, logical_sharding
 from mjax.model.functional import count_params
 from mjax.parallel.mesh import describe, make_mesh
-from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
+from mjax.parallel.rules import batch_sharding, bytes_per_device, logical_rules, param_shardings, state_shardings
 from mjax.train.logger import MetricsLogger
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
 from mjax.train.optimizer import lr_schedule, make_optimizer
@@ -30,6 +31,7 @@ class TrainResult:
     state: TrainState
     history: list  # the logged records
     eval_history: list
+    stopped_at: int | None = None  # the step a SIGTERM/SIGINT ended training at (after saving a checkpoint)
 
 
 @dataclasses.dataclass
@@ -43,6 +45,7 @@ class Setup:
     state_sharding: object
     batch_sharding: object
     micro_batches: int
+    abstract_state: object
 
     def init_state(self, seed: int) -> TrainState:
         key = jax.random.key(seed)
@@ -70,15 +73,16 @@ def build(cfg, devices=None) -> Setup:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg)
     _, _, micro_batches = resolve_batch(cfg, len(devices))
-    model = build_model(cfg.model, cfg.precision, tp=cfg.parallel.tp)
+    model = build_model(cfg.model, cfg.precision)
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
     tx = make_optimizer(cfg.optimizer, cfg.train.train_iters)
     abstract_params = model.abstract_params()
     p_sharding = param_shardings(mesh, model.logical_axes(), rules, abstract_params)
     abstract_state = jax.eval_shape(
         lambda p: TrainState.create(p, tx, jax.random.key(0), cfg.precision), abstract_params)
-    return Setup(cfg, mesh, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding),
-                 batch_sharding(mesh), micro_batches)
+    zero1 = cfg.parallel.use_distributed_optimizer
+    return Setup(cfg, mesh, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding, zero1),
+                 batch_sharding(mesh), micro_batches, abstract_state)
 
 
 def _log_startup(setup: Setup, state, flops):
@@ -91,6 +95,30 @@ def _log_startup(setup: Setup, state, flops):
              jax.devices()[0].platform, setup.micro_batches)
     log.info("precision: compute %s, params %s; %.3f TFLOP per step (Megatron formula)",
              cfg.precision.compute_dtype, cfg.precision.params_dtype, flops / 1e12)
+    a, s = setup.abstract_state, setup.state_sharding
+    params_b = bytes_per_device(a.params, s.params)
+    opt_b = bytes_per_device(a.opt_state, s.opt_state)
+    log.info("per device: params %s, optimizer state %s, gradients %s (fp32, sharded as params)%s",
+             _gib(params_b), _gib(opt_b), _gib(params_b),
+             " [ZeRO-1: optimizer state split over data]" if cfg.parallel.use_distributed_optimizer else "")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _log_compiled_memory(compiled):
+    """XLA's own accounting of the compiled step: the memory each device will need."""
+    try:
+        m = compiled.memory_analysis()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return
+    if m is None:
+        return
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    log.info("compiled step memory per device: arguments %s, outputs %s (donated %s), temporaries %s -> "
+             "expected peak about %s", _gib(m.argument_size_in_bytes), _gib(m.output_size_in_bytes),
+             _gib(m.alias_size_in_bytes), _gib(m.temp_size_in_bytes), _gib(total))
 
 
 def evaluate(eval_fn, params, batches, setup) -> float:
@@ -108,12 +136,17 @@ def evaluate(eval_fn, params, batches, setup) -> float:
 def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
     """Trains for cfg.train.train_iters steps. `data` is (train iterator, valid-batches factory or None)."""
     setup = build(cfg, devices)
+    ckpt, consumed = Checkpointer(cfg, setup), 0
+    if state is None:
+        state, consumed = ckpt.restore_or_init()
     if data is None:
         from mjax.data import build_data_iterators  # noqa: PLC0415
 
-        data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+        data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
+                                    consumed_samples=consumed)
+    else:
+        position_data(data[0], consumed)
     train_iter, valid_batches = data
-    state = state if state is not None else setup.init_state(cfg.train.seed)
     flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
     _log_startup(setup, state, flops)
     peak = peak_tflops(override=cfg.logging.peak_tflops)
@@ -129,11 +162,13 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
         compiled = step_fn.lower(state, first).compile()
         compile_s = time.perf_counter() - t0
         log.info("compiled the train step in %.1fs", compile_s)
+        _log_compiled_memory(compiled)
 
         logger = MetricsLogger(cfg, int(state.step))
         history, eval_history = [], []
         start = int(state.step)
         batch, last_t, last_step = first, time.perf_counter(), start
+        ckpt.start()
         try:
             for step in range(start + 1, cfg.train.train_iters + 1):
                 state, metrics = compiled(state, batch)
@@ -154,11 +189,14 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
                     eval_history.append({"step": step, "eval_loss": loss})
                     log.info("step %6d | eval loss %.4f | eval ppl %.2f", step, loss, float(np.exp(min(loss, 50))))
                     last_t = time.perf_counter()
+                if ckpt.after_step(step, state, consumed + (step - start) * cfg.train.global_batch_size):
+                    break
         finally:
+            ckpt.close()
             logger.close()
             if hasattr(train_iter, "close"):
                 train_iter.close()
-    return TrainResult(state, history, eval_history)
+    return TrainResult(state, history, eval_history, ckpt.stopped_at)
 
 
 def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, compile_s) -> dict:
