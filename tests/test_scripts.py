@@ -1,0 +1,41 @@
+"""The command-line entry points, run as a user would (subprocesses on 8 CPU devices)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}
+
+
+def _train(*flags, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *flags], env=ENV, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_script_runs_a_parallel_layout_and_writes_metrics(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    out = _train("--config=tiny", "--mock_data", "--tp=2", "--fsdp=2", "--dp=2", "--train_iters=3",
+                 "--log_interval=1", "--model.num_layers=2", f"--metrics_file={metrics}",
+                 f"--tensorboard_dir={tmp_path / 'tb'}", "--eval_interval=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tensor=2" in out.stderr and "fsdp=2" in out.stderr and "data=2" in out.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_bytes"):
+        assert key in records[-1]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_default_run_trains_on_the_bundled_corpus(tmp_path):
+    out = _train("--train_iters=2", "--log_interval=1", "--eval_interval=2", f"--data_cache_path={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "eval loss" in out.stderr and "step      2" in out.stderr
+
+
+def test_config_errors_exit_2_with_the_flag_named():
+    out = _train("--model.num_attention_heads=3", "--mock_data")
+    assert out.returncode == 2
+    assert "--model.num_attention_heads=3" in out.stderr and "Traceback" not in out.stderr
