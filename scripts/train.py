@@ -3,6 +3,10 @@
 With no data flags it trains the tiny preset on the sample corpus bundled with mjax. Megatron-style aliases work
 (`--train_iters --lr --global_batch_size --micro_batch_size --seq_length --tp --fsdp --mock_data --fp16 ...`);
 `--helpfull` lists every flag.
+
+Checkpoints: `--save DIR --save_interval N [--keep N]`, `--load DIR [--ckpt_step N] [--load_params_only]`. A rerun
+with the same `--save` resumes from its latest step. SIGTERM/SIGINT save a checkpoint at the next step boundary and
+exit 0. Exit codes: 2 configuration error, 3 NaN/Inf loss, 4 unusable checkpoint.
 """
 
 import json
@@ -30,6 +34,7 @@ def main(argv):
         if FLAGS.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
+        from mjax.checkpoint import CheckpointError  # noqa: PLC0415
         from mjax.train.loop import NonFiniteError, train  # noqa: PLC0415  (imports jax after flag parsing)
 
         import jax  # noqa: PLC0415
@@ -45,6 +50,9 @@ def main(argv):
     except NonFiniteError as e:
         log.error("stopped: %s", e)
         return 3
+    except CheckpointError as e:
+        log.error("checkpoint error: %s", e)
+        return 4
     return 0
 
 
