@@ -18,6 +18,9 @@ from absl import app, flags
 from mjax.config import ConfigError
 from mjax.config_flags import config_from_flags, define_config_flags
 from mjax.logging_setup import setup_logging
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()  # before JAX initialises a backend
 
 define_config_flags()
 flags.DEFINE_boolean("print_config", False, "Print the resolved config as JSON and exit.")

@@ -1,0 +1,99 @@
+"""Throughput benchmark of the real train step on synthetic data, with the matmul ceiling measured in the same run."""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mjax.model import logical_sharding
+from mjax.parallel.rules import logical_rules
+from mjax.train.loop import build
+from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
+from mjax.train.step import make_train_step
+
+
+def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16, iters: int = 10) -> float:
+    """TFLOP/s of one n^3 matmul per device through JAX (8192 on GPU, 1024 elsewhere), random data."""
+    n = n or (8192 if jax.default_backend() == "gpu" else 1024)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(a, b)
+    out.block_until_ready()
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def synthetic_batch(cfg, setup, seed=0):
+    rng = np.random.default_rng(seed)
+    b, t = cfg.train.global_batch_size // jax.process_count(), cfg.train.seq_length
+    tokens = rng.integers(0, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((b, t), np.float32),
+             "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+             "segment_ids": np.ones((b, t), np.int32)}
+    return setup.place_batch(batch)
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float | None
+    mfu_vs_ceiling: float
+    peak_memory_gib: float
+    compile_s: float
+    loss: float
+    error: str | None = None
+
+
+def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=None) -> Result:
+    """Compiles the step, runs 2 warm-up steps, then times `steps` steps (blocking once at the end).
+    `hlo_path` receives the compiled (scheduled) HLO, gzipped, to see which collectives overlap compute."""
+    setup = build(cfg, devices)
+    state = setup.init_state(cfg.train.seed)
+    batch = synthetic_batch(cfg, setup)
+    with logical_sharding(setup.mesh, logical_rules(cfg)):
+        step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
+                       in_shardings=(setup.state_sharding, setup.batch_sharding),
+                       out_shardings=(setup.state_sharding, None), donate_argnums=0)
+        t0 = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+    if hlo_path:
+        import gzip  # noqa: PLC0415
+
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(compiled.as_text())
+    for _ in range(2):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+    loss = float(metrics["loss"])  # blocks
+    dt = (time.perf_counter() - t0) / steps
+    n = setup.mesh.size
+    tflops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length) / dt / n / 1e12
+    peak = peak_tflops(override=cfg.logging.peak_tflops)
+    return Result(name, dt, cfg.train.global_batch_size * cfg.train.seq_length / dt, tflops,
+                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss)
+
+
+def format_table(results, ceiling: float) -> str:
+    head = (f"{'case':<40} {'step s':>8} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU(989)':>8} "
+            f"{'of ceiling':>10} {'peak GiB':>9} {'compile s':>9}")
+    lines = [f"bf16 matmul ceiling measured in this run: {ceiling:.1f} TFLOP/s per device", head, "-" * len(head)]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.name:<40} failed: {r.error[:90]}")
+            continue
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+        lines.append(f"{r.name:<40} {r.step_time_s:>8.4f} {r.tokens_per_s:>11,.0f} {r.tflops_per_device:>11.1f} "
+                     f"{mfu:>8} {r.mfu_vs_ceiling:>10.1%} {r.peak_memory_gib:>9.2f} {r.compile_s:>9.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""Benchmark a preset's train step on synthetic data: one table, plus the same as JSON.
+
+  python scripts/benchmark.py --config=llama3.2-1b --steps=10 --sweep="remat_policy=selective,none;micro_batch_size=2,4"
+
+Each sweep dimension is `field=v1,v2` over Config fields (dotted, or the short flag names); dimensions are
+separated by `;` and combined as a grid. Every config flag of train.py also applies (the base of the sweep).
+"""
+
+import dataclasses
+import itertools
+import json
+import logging
+import sys
+
+from absl import app, flags
+
+from mjax.config import ConfigError
+from mjax.config_flags import config_from_flags, define_config_flags
+from mjax.logging_setup import setup_logging
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()  # before JAX initialises a backend
+
+define_config_flags()
+flags.DEFINE_integer("steps", 10, "Timed steps per case (after 2 warm-up steps).")
+flags.DEFINE_string("sweep", "", "Grid over config fields, e.g. 'remat_policy=none,selective;micro_batch_size=1,2'.")
+flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
+flags.DEFINE_integer("num_devices", None, "Use only the first N devices (default: all).")
+flags.DEFINE_string("hlo_dir", None, "Write each case's compiled HLO here (gzipped text).")
+FLAGS = flags.FLAGS
+log = logging.getLogger("mjax")
+
+
+def _field_index():
+    """short flag name or 'section.field' -> (section, field)."""
+    from mjax.config import SECTIONS  # noqa: PLC0415
+
+    index = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            index[f"{section}.{f.name}"] = (section, f.name)
+            index.setdefault(f.name, (section, f.name))
+            if "flag" in f.metadata:
+                index[f.metadata["flag"]] = (section, f.name)
+    return index
+
+
+def parse_sweep(text: str) -> list[dict]:
+    """'a=1,2;b=x' -> [{'a': '1', 'b': 'x'}, {'a': '2', 'b': 'x'}]."""
+    dims = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        if "=" not in part:
+            raise ConfigError(f"--sweep: {part!r} is not field=v1,v2")
+        name, values = part.split("=", 1)
+        dims.append([(name.strip(), v.strip()) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*dims)] if dims else [{}]
+
+
+def apply_case(cfg, case: dict):
+    import typing  # noqa: PLC0415
+
+    from mjax.config_flags import _parse  # noqa: PLC0415
+
+    index, overrides = _field_index(), {}
+    for name, text in case.items():
+        if name not in index:
+            raise ConfigError(f"--sweep: unknown config field {name!r}")
+        section, field = index[name]
+        typ = typing.get_type_hints(type(getattr(cfg, section)))[field]
+        overrides.setdefault(section, {})[field] = _parse(text, typ, name)
+    return cfg.replace(**overrides)
+
+
+def main(argv):
+    del argv
+    setup_logging()
+    import jax  # noqa: PLC0415
+
+    from mjax.train.benchmark import Result, format_table, matmul_ceiling_tflops, run_case  # noqa: PLC0415
+
+    try:
+        base = config_from_flags()
+        cases = [(", ".join(f"{k}={v}" for k, v in c.items()) or "base", apply_case(base, c))
+                 for c in parse_sweep(FLAGS.sweep)]
+    except ConfigError as e:
+        log.error("configuration error: %s", e)
+        return 2
+    devices = jax.devices()[: FLAGS.num_devices] if FLAGS.num_devices else jax.devices()
+    ceiling = matmul_ceiling_tflops()
+    results = []
+    for name, cfg in cases:
+        log.info("case %s", name)
+        try:
+            hlo = None
+            if FLAGS.hlo_dir:
+                safe = "".join(c if c.isalnum() else "_" for c in name)
+                hlo = f"{FLAGS.hlo_dir}/{cfg.model.name}_{len(devices)}dev_{safe}.hlo.txt.gz"
+            results.append(run_case(name, cfg, FLAGS.steps, ceiling, devices, hlo))
+        except Exception as e:  # a case that does not fit (OOM, bad layout) is reported, the sweep goes on
+            log.error("case %s failed: %s", name, str(e).splitlines()[0][:300])
+            results.append(Result(name, *([float("nan")] * 3), None, float("nan"), float("nan"), float("nan"),
+                                  float("nan"), error=str(e).splitlines()[0]))
+    print(format_table(results, ceiling))
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"ceiling_tflops": ceiling, "devices": len(devices),
+                       "device_kind": devices[0].device_kind, "results": [dataclasses.asdict(r) for r in results]},
+                      f, indent=1)
+    return 1 if any(r.error for r in results) and len(results) == 1 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))

@@ -1,0 +1,63 @@
+"""Every parallel layout that fits the devices gives the one-device losses: a table, on CPU or GPU.
+
+  python scripts/check_layouts.py --steps=5 [--json_out=layouts.json]
+
+Runs a small Llama-style model in fp32 (matmuls at full precision) with synthetic data.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()
+flags.DEFINE_integer("steps", 5, "Training steps per layout.")
+flags.DEFINE_string("json_out", None, "Write the table here as JSON.")
+FLAGS = flags.FLAGS
+
+
+def layouts(n: int) -> dict:
+    out = {f"dp{n}": {}, f"fsdp{n}": dict(fsdp=n), f"zero1 dp{n}": dict(use_distributed_optimizer=True)}
+    if n >= 2:
+        out[f"tp2 sp dp{n // 2}"] = dict(tp=2, sequence_parallel=True)
+        out[f"tp2 fsdp{n // 2}"] = dict(tp=2, fsdp=n // 2)
+    return out
+
+
+def main(argv):
+    del argv
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from mjax.config import load_config  # noqa: PLC0415
+    from mjax.logging_setup import setup_logging  # noqa: PLC0415
+    from mjax.train.loop import train  # noqa: PLC0415
+
+    setup_logging()
+    n = jax.device_count()
+    base = load_config("tiny").replace(
+        model=dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512,
+                   vocab_size=1024),
+        train=dict(train_iters=FLAGS.steps, global_batch_size=4 * n, seq_length=256),
+        data=dict(mock_data=True), logging=dict(log_interval=1, progress=False), precision=dict(compute_dtype="float32"))
+    losses = lambda cfg, devices: [r["loss"] for r in train(cfg, devices=devices).history]  # noqa: E731
+    reference = losses(base, jax.devices()[:1])
+    rows = []
+    for name, parallel in layouts(n).items():
+        got = losses(base.replace(parallel=parallel), jax.devices())
+        rows.append({"layout": name, "max_rel_diff": float(np.max(np.abs(np.subtract(got, reference)) /
+                                                                  np.abs(reference))), "losses": got})
+    print(f"{'layout':<16} {'max rel diff vs 1 device':>26}   losses")
+    for r in rows:
+        print(f"{r['layout']:<16} {r['max_rel_diff']:>26.2e}   {' '.join(f'{x:.5f}' for x in r['losses'])}")
+    print(f"{'1 device':<16} {'':>26}   {' '.join(f'{x:.5f}' for x in reference)}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"devices": n, "kind": jax.devices()[0].device_kind, "reference": reference, "rows": rows}, f)
+    return 0 if all(r["max_rel_diff"] < 1e-4 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
