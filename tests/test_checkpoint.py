@@ -2,8 +2,14 @@
 
 import json
 import os
+import queue
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -14,6 +20,7 @@ from mjax.convert import orbax_io
 from mjax.train.loop import build, train
 from tests.train_utils import tiny_config
 
+ROOT = Path(__file__).resolve().parent.parent
 SAVED_LAYOUT = dict(tp=2, fsdp=2)  # x dp=2 on the 8 CPU devices
 
 
@@ -28,9 +35,7 @@ def compilation_cache(tmp_path_factory):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     cc.reset_cache()
-    os.environ["MJAX_TEST_JAX_CACHE"] = path
     yield path
-    os.environ.pop("MJAX_TEST_JAX_CACHE", None)
     jax.config.update("jax_compilation_cache_dir", saved[0])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
     cc.reset_cache()
@@ -78,12 +83,13 @@ def test_sigint_saves_and_stops_at_the_step_boundary(interrupted):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
-def test_resume_is_bitwise_exact_with_the_real_data_loader(interrupted):
+def test_resume_is_bitwise_exact_with_the_real_data_loader(interrupted, tmp_path):
+    run_dir = shutil.copytree(interrupted["dir"], tmp_path / "run")
     # The same command again: --save holds step 3, so the run resumes there (data position included).
-    resumed = train(corpus_config(checkpoint=dict(save=interrupted["dir"])))
+    resumed = train(corpus_config(checkpoint=dict(save=str(run_dir))))
     assert [r["step"] for r in resumed.history] == [4, 5, 6]
     assert _losses(interrupted["stopped"]) + _losses(resumed) == interrupted["full"]  # bitwise
-    assert sorted(os.listdir(interrupted["dir"])) == ["3", "6"]
+    assert sorted(os.listdir(run_dir)) == ["3", "6"]
 
 
 @pytest.mark.parametrize("layout", [dict(tp=1, fsdp=1), dict(tp=2, fsdp=4), dict(tp=1, fsdp=8),
@@ -147,3 +153,92 @@ def test_load_params_only_takes_weights_with_a_fresh_optimizer(interrupted, tmp_
     assert consumed == 0 and int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, _numpy(state.params), interrupted["state"].params)
     assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state[0].mu))
+
+
+# corpus_config() as train.py flags (mock data): the same compiled step, so the subprocesses hit the compile cache
+CLI = ["--config=tiny", "--model.num_layers=2", "--hidden_size=64", "--num_attention_heads=4", "--num_query_groups=2",
+       "--ffn_hidden_size=128", "--vocab_size=1024", "--train_iters=6", "--global_batch_size=16", "--seq_length=32",
+       "--lr=0.01", "--min_lr=0", "--lr_warmup_iters=2", "--lr_decay_style=cosine", "--log_interval=1",
+       "--noprogress", "--tp=2", "--fsdp=2", "--mock_data"]
+
+
+class _Run:
+    """tests/checkpoint_train.py in a subprocess; its output is read by a thread so waits can time out."""
+
+    def __init__(self, flags, cache, **env):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT),
+               "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "checkpoint_train.py"), *CLI, *flags],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines, self._queue = [], queue.Queue()
+        threading.Thread(target=lambda: [self._queue.put(x) for x in self.proc.stdout] + [self._queue.put(None)],
+                         daemon=True).start()
+
+    def wait_for(self, marker: str, timeout: float = 240) -> None:
+        while True:
+            try:
+                line = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"no {marker!r} within {timeout}s:\n{self.output[-3000:]}") from None
+            if line is None:
+                raise AssertionError(f"exited ({self.proc.wait()}) before {marker!r}:\n{self.output[-3000:]}")
+            self.lines.append(line)
+            if marker in line:
+                return
+
+    def finish(self, timeout: float = 120) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.wait_for_end()
+        return rc
+
+    def wait_for_end(self) -> None:
+        while (line := self._queue.get(timeout=30)) is not None:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def test_kill_9_mid_save_keeps_the_last_complete_step_and_sigterm_saves_then_exits_0(tmp_path, compilation_cache):
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    flags = [f"--save={run_dir}", "--save_interval=1", "--keep=2", f"--metrics_file={metrics}"]
+    crashed = _Run(flags, compilation_cache, MJAX_TEST_HANG_STEP="4")
+    crashed.wait_for("HANGING_SAVE")  # step 4's data is written, its commit (the rename) has not happened
+    crashed.proc.kill()
+    crashed.finish()
+    left = sorted(os.listdir(run_dir))
+    assert left[:2] == ["2", "3"] and len(left) == 3 and left[2].startswith("4.orbax-checkpoint-tmp"), left
+
+    resumed = _Run(flags, compilation_cache, MJAX_TEST_PAUSE_STEP="5")  # the same command, as a requeued job
+    resumed.wait_for("PAUSED")
+    resumed.proc.send_signal(signal.SIGTERM)
+    assert resumed.finish() == 0, resumed.output[-3000:]
+    assert "restored checkpoint step 3" in resumed.output and "stopping at step 5 on a signal" in resumed.output
+    assert sorted(os.listdir(run_dir)) == ["4", "5"]  # the partial step 4 was removed; --keep=2
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restart = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    before, after = records[:restart], records[restart:]  # (the killed run may have logged step 5 too)
+    assert [r["step"] for r in before][:4] == [1, 2, 3, 4] and [r["step"] for r in after] == [4, 5]
+    assert all(r["loss"] == before[r["step"] - 1]["loss"] for r in after if r["step"] <= len(before))  # bitwise
+
+
+@pytest.mark.slow
+def test_two_processes_save_restore_onto_another_layout_and_stop_together(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_checkpoint.py"), str(i), str(port),
+                               str(tmp_path), str(tmp_path / f"{i}.json")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
+    results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+    assert results[0] == results[1]
+    r = results[0]
+    assert sorted(os.listdir(tmp_path / "a")) == ["2", "4"]
+    np.testing.assert_allclose(r["resume"][:2], r["save"][2:], rtol=1e-5)  # steps 3-4, resharded
+    assert 4 < r["stopped_at"] < 100, r  # both stopped at the step JAX's preemption sync chose
+    assert sorted(os.listdir(tmp_path / "b")) == [str(r["stopped_at"])]
