@@ -130,8 +130,8 @@ def iter_params(directory, dtype=None):
                 parts = r.transform.to_mjax(reader.get(name), dims)
                 if dtype is not None:
                     parts = tuple(p.astype(dtype) for p in parts)
-                if not r.per_layer:
-                    out = dict(zip(r.mjax, parts))
+                if not r.per_layer:  # contiguous: Orbax writes a strided view far slower and via a copy
+                    out = {p: np.ascontiguousarray(x) for p, x in zip(r.mjax, parts)}
                     break
                 if out is None:  # stacked [L, ...] buffers, filled layer by layer
                     out = {p: np.empty((dims.layers,) + x.shape, x.dtype) for p, x in zip(r.mjax, parts)}

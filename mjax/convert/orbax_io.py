@@ -69,15 +69,30 @@ def save_params_streaming(directory, chunks: Iterable[dict]) -> int:
         save_params(directory, unflatten(tree))
         return sum(x.nbytes for x in tree.values())
     total = 0
-    for chunk in chunks:
-        partial.save(staging, unflatten(chunk))
-        total += sum(x.nbytes for x in chunk.values())
-        del chunk
-    partial.finalize(staging)
+    with _streaming_context():
+        for chunk in chunks:
+            partial.save(staging, unflatten(chunk))
+            total += sum(x.nbytes for x in chunk.values())
+            del chunk
+        partial.finalize(staging)
     (staging / "state").rename(target)  # the PyTree directory of the v1 layout
     shutil.rmtree(staging)
     _write_v0_metadata(target)
     return total
+
+
+def _streaming_context():
+    """Options that keep host memory at one copy of each chunk and the write fast:
+    - no defensive deep copy of the host arrays (each chunk is ours and dropped after its save);
+    - one zarr chunk per array even above Orbax's 2 GiB default file size, where tensorstore would otherwise copy
+      the whole array into chunk buffers (measured: peak 2x the array);
+    - no zstd (several times slower on a small CPU, ~10% smaller for bf16 weights; readers handle both)."""
+    from orbax.checkpoint.experimental import v1  # noqa: PLC0415
+
+    opts = v1.options
+    saving = opts.ArrayOptions.Saving(use_compression=False, ocdbt_target_data_file_size=1 << 40)
+    return v1.Context(array_options=opts.ArrayOptions(saving=saving),
+                      memory_options=opts.MemoryOptions(deepcopy_host_arrays=False))
 
 
 def _write_v0_metadata(target: Path):

@@ -49,6 +49,8 @@ def _single(name, fwd, inv, shape):
 
 
 def _pad_rows(x, rows):  # [V, ...] -> [rows, ...] with zero rows appended
+    if x.shape[0] == rows:
+        return x
     out = np.zeros((rows,) + x.shape[1:], x.dtype)
     out[: x.shape[0]] = x
     return out
