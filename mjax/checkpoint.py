@@ -226,7 +226,8 @@ class Checkpointer:
             raise CheckpointError(f"cannot load the params of {source}: {_cause(e)}") from e
         key = jax.random.key(self.cfg.train.seed)
         _, rng = jax.random.split(key)  # as Setup.init_state: a fine-tune draws what a fresh run would
-        create = lambda p, r: TrainState.create(p, self.setup.tx, r, self.cfg.precision)  # noqa: E731
+        create = lambda p, r: TrainState.create(p, self.setup.tx, r, self.cfg.precision,  # noqa: E731
+                                                self.setup.model.init_fp8())
         state = jax.jit(create, out_shardings=self.setup.state_sharding, donate_argnums=0)(params, rng)
         log.info("loaded params only from %s in %.1fs: fresh optimizer state, step 0", source,
                  time.perf_counter() - t0)
@@ -270,6 +271,14 @@ class Checkpointer:
             log.info("checkpoint step %d -> %s (%s; the loop waited %.2fs)", step, self.cfg.checkpoint.save,
                      "async" if self.cfg.checkpoint.async_save else "sync", self.save_call_s[-1])
         if wait:
+            self._mngr.wait_until_finished()
+
+    def saving(self) -> bool:
+        """Whether an async save is still being written."""
+        return self._mngr is not None and self._mngr.is_saving_in_progress()
+
+    def wait(self) -> None:
+        if self._mngr is not None:
             self._mngr.wait_until_finished()
 
     def close(self) -> None:
