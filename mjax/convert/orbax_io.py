@@ -152,14 +152,18 @@ def restore(directory, abstract_params: dict) -> dict:
     shardings; a vocab table padded differently goes through host memory once."""
     ocp = _ocp()
     meta = param_metadata(directory)
-    flat = flatten(abstract_params)
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    flat = {p: a if getattr(a, "sharding", None) is not None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single)
+            for p, a in flatten(abstract_params).items()}
     missing = sorted(set(flat) - set(meta))
     if missing:
         raise ConversionError(f"{directory}/{PARAMS} lacks parameter(s) {', '.join(missing)}")
     direct = {p: a for p, a in flat.items() if meta[p][0] == tuple(a.shape)}
     out = {}
     if direct:
-        restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / PARAMS, unflatten(direct))
+        item = unflatten(direct)
+        restored = ocp.PyTreeCheckpointer().restore(Path(directory).absolute() / PARAMS, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
         out.update(flatten(restored))
     for p, a in flat.items():
         if p in direct:
@@ -169,8 +173,7 @@ def restore(directory, abstract_params: dict) -> dict:
                 a.shape, VOCAB_AXES[p]).tolist():
             raise ConversionError(f"parameter {p!r}: checkpoint has shape {stored.shape}, the model wants {a.shape}")
         value = fit_vocab(p, stored, a.shape[VOCAB_AXES[p]]).astype(a.dtype)
-        sharding = getattr(a, "sharding", None)
-        out[p] = jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
+        out[p] = jax.device_put(value, a.sharding)
     return unflatten(out)
 
 

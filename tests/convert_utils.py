@@ -1,0 +1,30 @@
+"""Shared helpers of the conversion tests: the HF fixtures (made by scripts/make_hf_fixtures.py) and a loss."""
+
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+NAMES = ("llama3_gqa", "llama_tied_mha", "mistral_swa", "qwen2_tied", "gpt2")
+LOGITS_ATOL = 2e-5  # fp32 against HF fp32; observed ~1.5e-6
+
+
+def reference(name: str) -> dict:
+    return dict(np.load(FIXTURES / name / "reference.npz"))
+
+
+def next_token_loss(logits: np.ndarray, tokens: np.ndarray) -> float:
+    """HF's causal-LM loss: mean cross-entropy of logits[:, :-1] against tokens[:, 1:]."""
+    x = logits[:, :-1].astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return float(-np.take_along_axis(logp, tokens[:, 1:, None].astype(np.int64), -1).mean())
+
+
+def read_safetensors(directory) -> dict:
+    from safetensors.numpy import load_file  # an independent reader of what we wrote
+
+    out = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
