@@ -78,8 +78,9 @@ def _cudnn_attention(q, k, v, *, causal, sliding_window, segment_ids, scale, ret
 
 def _pallas_attention(q, k, v, **kwargs):
     from mjax.kernels import flash_attention  # noqa: PLC0415  (import only when chosen)
+    from mjax.kernels.attention_sharded import shard_attention  # noqa: PLC0415
 
-    return flash_attention.flash_attention(q, k, v, **kwargs)
+    return shard_attention(flash_attention.flash_attention, q, k, v, **kwargs)
 
 
 _IMPL_FNS = {"xla": reference_attention, "cudnn": _cudnn_attention, "pallas": _pallas_attention}

@@ -51,6 +51,11 @@ def logical_sharding(mesh, rules: dict):
         _CONTEXT.reset(token)
 
 
+def current_logical_sharding():
+    """The (mesh, rules) set by `logical_sharding`, or None."""
+    return _CONTEXT.get()
+
+
 def constrain(x, axes: tuple[str | None, ...]):
     """Sharding constraint by logical names; identity when no mesh is active."""
     ctx = _CONTEXT.get()
