@@ -1,0 +1,91 @@
+"""Generates text from a checkpoint: the quick check of a converted or trained model.
+
+    python scripts/generate.py --load=ckpt/llama --prompt="The capital of France is" --max_new_tokens=32
+    python scripts/generate.py --load=path/to/hf_model --prompt="Once upon" --temperature=0.8 --top_k=50 --seed=1
+
+--load takes an mjax checkpoint (convert_checkpoint.py output) or a Hugging Face model directory. The tokenizer is
+<load>/tokenizer.json unless --tokenizer names one; --prompt_ids=1,2,3 skips the tokenizer. Greedy when
+--temperature=0. Decoding uses a KV cache (mjax/model/decode.py); generation stops at the model's EOS token.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+from mjax.logging_setup import setup_logging
+
+flags.DEFINE_string("load", None, "mjax checkpoint directory or Hugging Face model directory.")
+flags.DEFINE_string("prompt", "", "Text to continue.")
+flags.DEFINE_list("prompt_ids", None, "Token ids to continue instead of --prompt (no tokenizer needed).")
+flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: the one in --load).")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 means all.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+flags.mark_flag_as_required("load")
+FLAGS = flags.FLAGS
+
+
+def eos_ids(directory: Path) -> set[int]:
+    ids = set()
+    for name in ("generation_config.json", "hf_config.json", "config.json"):
+        path = directory / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return ids
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    setup_logging()
+    import numpy as np  # noqa: PLC0415
+
+    from mjax.convert import ConversionError, load_pretrained  # noqa: PLC0415
+    from mjax.generate import generate  # noqa: PLC0415
+
+    load = Path(FLAGS.load)
+    tokenizer = None
+    if FLAGS.prompt_ids is None:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        path = Path(FLAGS.tokenizer) if FLAGS.tokenizer else load / "tokenizer.json"
+        if not path.exists():
+            sys.exit(f"generate: no tokenizer at {path}; pass --tokenizer or --prompt_ids")
+        tokenizer = Tokenizer.from_file(str(path))
+        ids = tokenizer.encode(FLAGS.prompt).ids
+    else:
+        ids = [int(i) for i in FLAGS.prompt_ids]
+    if not ids:
+        sys.exit("generate: the prompt is empty; pass --prompt or --prompt_ids")
+    try:
+        model, cfg = load_pretrained(load, dtype=FLAGS.dtype)
+    except ConversionError as e:
+        sys.exit(f"generate: {e}")
+    t0 = time.perf_counter()
+    try:
+        out = generate(model.model_def, model.params, np.asarray([ids], np.int32), FLAGS.max_new_tokens,
+                       temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
+    except ValueError as e:
+        sys.exit(f"generate: {e}")
+    new = [int(i) for i in np.asarray(out)[0]]
+    stop = eos_ids(load)
+    for i, tok in enumerate(new):
+        if tok in stop:
+            new = new[:i]
+            break
+    elapsed = time.perf_counter() - t0
+    print(f"ids: {new}")
+    if tokenizer is not None:
+        print(FLAGS.prompt + tokenizer.decode(new))
+    print(f"{len(new)} tokens in {elapsed:.1f}s (including compilation)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)
