@@ -1,0 +1,120 @@
+"""FP8 GEMMs with one scale per tensor: delayed scaling (scales from an amax history) and tensorwise current scaling.
+
+Conventions (Transformer Engine's): `scale` multiplies a tensor into FP8 range, q = saturate(x * scale), and
+x ~= q / scale. `fp8_matmul(x, w, meta)` runs all three GEMMs of a linear layer in FP8 through `jax.custom_vjp`:
+
+    forward  y  = x  @ w     e4m3 x e4m3
+    dgrad    dx = g  @ w^T   grad x e4m3   (grad is e5m2 with --fp8_format=hybrid, else e4m3)
+    wgrad    dw = x^T @ g    e4m3 x grad
+
+The FP8 operands go straight into `lax.dot_general` and the product is rescaled afterwards: that is the form XLA
+rewrites into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`). A bf16 dequantize would not be rewritten (DESIGN.md).
+The forward saves the FP8 copies of x and w for the backward, half the bytes of bf16 residuals.
+
+`meta` is an f32 [3] array per layer: the scales of (x, w, grad) for the delayed recipe. Its *gradient* is not a
+gradient: the backward returns the amax observed of (x, w, grad) this call. The train step reads those "gradients"
+to update the amax history (max across micro-batches), so the scaling state flows functionally through jax.grad,
+`lax.scan` over layers (one meta row per layer) and remat, with no side effects. Current-scaling recipes ignore the
+value of `meta` but report amaxes the same way, for statistics and overflow guards.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+FORMATS = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}  # --fp8_format -> (forward operands, gradients)
+META_X, META_W, META_G = 0, 1, 2  # rows of `meta` and of the observed amaxes
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)  # e4m3fn 448, e5m2 57344
+
+
+def amax(x) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def scale_from_amax(amax_value, dtype, margin: int = 0, fallback=1.0) -> jax.Array:
+    """fp8_max / (amax * 2^margin); `fallback` where amax is zero or not finite (a scale must stay finite)."""
+    amax_value = jnp.asarray(amax_value, jnp.float32)
+    ok = (amax_value > 0) & jnp.isfinite(amax_value)
+    scale = fp8_max(dtype) / (jnp.where(ok, amax_value, 1.0) * 2.0**margin)
+    return jnp.where(ok, scale, fallback)
+
+
+def quantize(x, scale, dtype) -> jax.Array:
+    """Saturating cast: values beyond the FP8 range clip to +-max (a plain cast of e4m3fn overflow gives NaN)."""
+    m = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
+
+
+def dequantize(q, scale, dtype=jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) / scale).astype(dtype)
+
+
+def scaled_dot(a_q, b_q, contract: tuple[int, int], inv_scale, out_dtype) -> jax.Array:
+    """FP8 x FP8 -> out_dtype with one rescale of the product (fused by XLA into the GEMM's consumer)."""
+    y = lax.dot_general(a_q, b_q, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=out_dtype)
+    return (y.astype(jnp.float32) * inv_scale).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """The static part of a per-tensor FP8 GEMM."""
+    recipe: str = "tensorwise"  # delayed | tensorwise
+    format: str = "hybrid"  # e4m3 | hybrid
+    margin: int = 0
+
+    @property
+    def dtypes(self):
+        return FORMATS[self.format]
+
+
+def _scales(spec: Fp8Spec, meta, observed, which: int, dtype):
+    if spec.recipe == "delayed":
+        return meta[which]
+    return scale_from_amax(observed, dtype, spec.margin)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_matmul(x, w, meta, spec: Fp8Spec):
+    """x [M, K] (compute dtype), w [K, N] (any float dtype), meta [3] f32 -> y [M, N] in x.dtype."""
+    return _fwd(x, w, meta, spec)[0]
+
+
+def _fwd(x, w, meta, spec):
+    fwd_dtype, _ = spec.dtypes
+    ax, aw = amax(x), amax(w)
+    sx, sw = _scales(spec, meta, ax, META_X, fwd_dtype), _scales(spec, meta, aw, META_W, fwd_dtype)
+    xq, wq = quantize(x, sx, fwd_dtype), quantize(w, sw, fwd_dtype)  # [M, K], [K, N]
+    y = scaled_dot(xq, wq, (1, 0), 1.0 / (sx * sw), x.dtype)  # [M, N]
+    # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
+    return y, (xq, wq, sx, sw, ax, aw, meta, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _bwd(spec, res, g):
+    xq, wq, sx, sw, ax, aw, meta, x_like, w_like = res
+    _, grad_dtype = spec.dtypes
+    ag = amax(g)
+    sg = _scales(spec, meta, ag, META_G, grad_dtype)
+    gq = quantize(g, sg, grad_dtype)  # [M, N]
+    dx = scaled_dot(gq, wq, (1, 1), 1.0 / (sg * sw), x_like.dtype)  # [M, K]
+    dw = scaled_dot(xq, gq, (0, 0), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
+    return dx, dw, jnp.stack([ax, aw, ag])
+
+
+fp8_matmul.defvjp(lambda x, w, meta, spec: _fwd(x, w, meta, spec), _bwd)
+
+
+def fp8_matmul_reference(x, w, meta, spec: Fp8Spec):
+    """The oracle: the same quantization, dequantized to f32 and multiplied in f32 (forward only)."""
+    fwd_dtype, _ = spec.dtypes
+    sx = _scales(spec, meta, amax(x), META_X, fwd_dtype)
+    sw = _scales(spec, meta, amax(w), META_W, fwd_dtype)
+    xd, wd = dequantize(quantize(x, sx, fwd_dtype), sx), dequantize(quantize(w, sw, fwd_dtype), sw)
+    return jnp.dot(xd, wd, precision=lax.Precision.HIGHEST).astype(x.dtype)

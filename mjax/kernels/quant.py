@@ -1,0 +1,85 @@
+"""The precision policy of linear layers: the one dispatch point every quantized matmul goes through.
+
+`QuantPolicy` is built from PrecisionConfig (`policy_from_precision`) and handed to each `Linear` at construction;
+None means the plain compute-dtype matmul. `quantized_matmul` picks the implementation:
+
+| recipe (flag)                 | GEMMs                                       | kernels (--quant_impl)                         |
+|-------------------------------|---------------------------------------------|------------------------------------------------|
+| --fp8_recipe=delayed          | cuBLASLt FP8 via XLA, per-tensor scales      | XLA only                                       |
+| --fp8_recipe=tensorwise       | cuBLASLt FP8 via XLA, per-tensor scales      | XLA only                                       |
+| --fp8_recipe=blockwise        | 1x128 / 128x128 block scales                 | pallas: fp8_block_gemm; xla: f32 dequant GEMM   |
+| --fp4_recipe=nvfp4 / mxfp4    | e2m1 quantize -> dequantize, bf16 GEMM       | pallas: fused fake-quant; xla: casts + barriers |
+
+`--quant_impl=auto` takes pallas on GPU and xla elsewhere; `pallas` off GPU runs the kernels interpreted (tests).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mjax.kernels.fp4 import Fp4Spec, fp4_matmul
+from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
+from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+FP4_RECIPES = ("nvfp4", "mxfp4")
+IMPLS = ("auto", "xla", "pallas")
+META_SIZE = 3  # scales / observed amaxes of (input, weight, output gradient)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPolicy:
+    fp8_recipe: str | None = None
+    fp8_format: str = "hybrid"
+    fp8_margin: int = 0
+    fp4_recipe: str | None = None
+    fp4_hadamard: bool = False
+    impl: str = "auto"
+    bf16_layers: tuple[int, int] = (0, 0)  # transformer layers kept in compute dtype at the (start, end)
+    output_layer: bool = False  # quantize the LM head too (Megatron keeps it in bf16)
+
+    @property
+    def has_fp8_meta(self) -> bool:
+        """FP8 layers carry a [3] scale variable whose gradient is the observed amax (see kernels/fp8.py)."""
+        return self.fp8_recipe is not None
+
+
+def policy_from_precision(precision) -> QuantPolicy | None:
+    """None unless --fp8_recipe or --fp4_recipe is set (accepts any object with PrecisionConfig's fields)."""
+    fp8, fp4 = getattr(precision, "fp8_recipe", None), getattr(precision, "fp4_recipe", None)
+    if fp8 is None and fp4 is None:
+        return None
+    keep = ((precision.num_layers_at_start_in_bf16, precision.num_layers_at_end_in_bf16)
+            if precision.first_last_layers_bf16 else (0, 0))
+    return QuantPolicy(fp8_recipe=fp8, fp8_format=precision.fp8_format, fp8_margin=precision.fp8_margin,
+                       fp4_recipe=fp4, fp4_hadamard=precision.fp4_hadamard, impl=precision.quant_impl,
+                       bf16_layers=keep, output_layer=precision.quantize_output_layer)
+
+
+def _resolve_impl(impl: str) -> tuple[str, bool]:
+    """(xla | pallas, interpret)."""
+    if impl not in IMPLS:
+        raise ValueError(f"--quant_impl={impl!r} is not one of {', '.join(IMPLS)}")
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        return ("pallas" if on_gpu else "xla"), False
+    return impl, impl == "pallas" and not on_gpu
+
+
+def quantized_matmul(policy: QuantPolicy, x, w, meta=None):
+    """x [M, K] in compute dtype, w [K, N] (master dtype), meta [3] f32 for FP8 -> [M, N] in x.dtype."""
+    if policy.fp8_recipe in ("delayed", "tensorwise"):
+        return fp8_matmul(x, w, meta, Fp8Spec(policy.fp8_recipe, policy.fp8_format, policy.fp8_margin))
+    if policy.fp8_recipe == "blockwise":
+        impl, interpret = _resolve_impl(policy.impl)
+        return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))
+    if policy.fp4_recipe in FP4_RECIPES:
+        impl, interpret = _resolve_impl(policy.impl)
+        return fp4_matmul(x, w, Fp4Spec(policy.fp4_recipe, policy.fp4_hadamard, impl, interpret))
+    raise ValueError(f"no quantized matmul for --fp8_recipe={policy.fp8_recipe} --fp4_recipe={policy.fp4_recipe}")
+
+
+def initial_meta() -> jax.Array:
+    """Scales before the first update: 1 (Transformer Engine's start; delayed scaling warms up in one step)."""
+    return jnp.ones((META_SIZE,), jnp.float32)

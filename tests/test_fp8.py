@@ -1,0 +1,114 @@
+"""Per-tensor FP8 (delayed, tensorwise): quantization against ml_dtypes, the custom_vjp GEMMs against NumPy
+oracles and against bf16, the amax "gradients", the amax-history update, and FP8 dots in the lowered step."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mjax.kernels import fp8
+from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
+from mjax.train import fp8_state
+
+
+def _inputs(m=64, k=128, n=96, seed=0):
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(kx, (m, k)) * 2).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n)) * 0.05
+    g = (jax.random.normal(kg, (m, n)) * 1e-3).astype(jnp.bfloat16)
+    return x, w, g
+
+
+def _np_quant(x, scale, dtype):
+    m = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(np.asarray(x, np.float32) * np.float32(scale), -m, m).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_matches_ml_dtypes(dtype):
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 300
+    x[:3] = [1e6, -1e6, 0.0]  # saturate, not NaN
+    for scale in (1.0, 0.37, 12.0):
+        got = np.asarray(fp8.quantize(jnp.asarray(x), scale, dtype))
+        np.testing.assert_array_equal(got.astype(np.float32), _np_quant(x, scale, dtype).astype(np.float32))
+    assert np.isfinite(np.asarray(fp8.quantize(jnp.asarray(x), 1.0, dtype)).astype(np.float32)).all()
+
+
+def test_scale_from_amax():
+    s = fp8.scale_from_amax(jnp.array([2.0, 0.0, jnp.inf, jnp.nan]), jnp.float8_e4m3fn, margin=1, fallback=7.0)
+    np.testing.assert_allclose(np.asarray(s), [448 / 4, 7.0, 7.0, 7.0])
+
+
+@pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("delayed", "hybrid")])
+def test_fp8_matmul_against_numpy_oracle(recipe, fmt):
+    """Forward, dgrad and wgrad equal the NumPy products of the ml_dtypes-quantized operands."""
+    x, w, g = _inputs()
+    spec = Fp8Spec(recipe, fmt)
+    fwd_dt, grad_dt = (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2 if fmt == "hybrid" else ml_dtypes.float8_e4m3fn)
+    xn, wn, gn = (np.asarray(t, np.float32) for t in (x, w, g))
+    ax, aw, ag = (np.abs(t).max() for t in (xn, wn, gn))
+    if recipe == "delayed":  # scales from "last step": deliberately off, with the grad scale too small to saturate
+        scales = np.array([448 / (ax * 0.5), 448 / (aw * 2), 57344 / (ag * 4)], np.float32)
+    else:
+        scales = np.array([448 / ax, 448 / aw, float(ml_dtypes.finfo(grad_dt).max) / ag], np.float32)
+    meta = jnp.asarray(scales) if recipe == "delayed" else jnp.ones(3)
+    def fwd_bwd(x, w, meta, g):
+        y, vjp = jax.vjp(lambda x, w, m: fp8_matmul(x, w, m, spec), x, w, meta)
+        return y, *vjp(g)
+
+    y, dx, dw, dmeta = jax.jit(fwd_bwd)(x, w, meta, g)
+
+    xq, wq = (_np_quant(t, s, fwd_dt).astype(np.float32) / s for t, s in ((xn, scales[0]), (wn, scales[1])))
+    gq = _np_quant(gn, scales[2], grad_dt).astype(np.float32) / scales[2]
+    np.testing.assert_allclose(np.asarray(y, np.float32), xq @ wq, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), gq @ wq.T, rtol=2e-2, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), xq.T @ gq, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dmeta), [ax, aw, ag], rtol=1e-6)  # the amax slot, not a gradient
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("fmt,tol", [("e4m3", 0.1), ("hybrid", 0.15)])  # e4m3 rounds to 2^-4, e5m2 to 2^-3
+def test_fp8_grads_close_to_bf16(fmt, tol):
+    x, w, _ = _inputs(128, 256, 128, seed=1)
+
+    def loss(f, x, w):
+        return jnp.sum(jnp.sin(f(x, w).astype(jnp.float32)))
+
+    exact = jax.jit(jax.grad(lambda x, w: loss(lambda a, b: a.astype(jnp.float32) @ b, x, w), (0, 1)))(x, w)
+    q = jax.jit(jax.grad(lambda x, w: loss(lambda a, b: fp8_matmul(a, b, jnp.ones(3), Fp8Spec("tensorwise", fmt)),
+                                           x, w), (0, 1)))(x, w)
+    for a, b in zip(q, exact):
+        assert _rel(a, b) < tol
+
+
+def test_fp8_dots_reach_xla():
+    """The operands XLA sees are FP8 straight into dot_general (the cuBLASLt-rewritable form), in all 3 GEMMs."""
+    x, w, _ = _inputs()
+    f = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(fp8_matmul(x, w, jnp.ones(3), Fp8Spec())), (0, 1)))
+    hlo = f.lower(x, w).as_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3
+    assert all("f8E4M3FN" in d for d in dots) and sum("f8E5M2" in d for d in dots) == 2
+
+
+def test_history_update_most_recent_and_max():
+    p = type("P", (), dict(fp8_format="hybrid", fp8_margin=0, fp8_recipe="delayed",
+                           fp8_amax_compute_algo="most_recent"))
+    state = fp8_state.Fp8State.create({"l": jnp.ones((2, 3))}, history_len=3)  # two stacked layers
+    for amax in ([4.0, 2.0, 8.0], [8.0, 1.0, 1.0]):
+        state, stats = fp8_state.update(state, {"l": jnp.tile(jnp.array(amax), (2, 1))}, p)
+    np.testing.assert_allclose(state.amax_history["l"][0], [[8, 1, 1], [4, 2, 8], [0, 0, 0]])
+    np.testing.assert_allclose(state.scales["l"][0], [448 / 8, 448, 57344])
+    assert int(stats["fp8_overflow"]) == 2  # amax 8 met the scale 448/4 of the last step: saturated, in both layers
+
+    p.fp8_amax_compute_algo, p.fp8_margin = "max", 1
+    state2, stats = fp8_state.update(state, {"l": jnp.array([[0.5, jnp.nan, 0.0]] * 2)}, p)
+    np.testing.assert_allclose(state2.amax_history["l"][1, 0], [0.5, 0.0, 0.0])  # a NaN amax is recorded as 0
+    np.testing.assert_allclose(state2.scales["l"][1], [448 / 8 / 2, 448 / 2 / 2, 57344 / 8 / 2])
+    assert int(stats["fp8_nonfinite_amax"]) == 2
