@@ -75,3 +75,9 @@ def test_load_pretrained_returns_config_and_unpadded_logits():
     assert model.params["embed"]["embedding"].dtype == jax.numpy.bfloat16
     ref = reference("qwen2_tied")
     np.testing.assert_allclose(np.asarray(model(ref["tokens"])), ref["logits"], atol=2e-5)  # weights were bf16
+
+
+def test_mjax_exports_load_pretrained_lazily():
+    code = ("import sys, mjax; assert 'jax' not in sys.modules and 'orbax' not in sys.modules; "
+            "from mjax.convert.pretrained import load_pretrained; assert mjax.load_pretrained is load_pretrained")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
