@@ -107,6 +107,29 @@ class PrecisionConfig:
     min_loss_scale: float = _field(1.0, "min_loss_scale")
     loss_scale_window: int = _field(1000, "loss_scale_window")
     hysteresis: int = _field(2, "hysteresis")
+    # FP8 / FP4 linear layers (mjax/kernels/quant.py). Unset recipes train every GEMM in compute_dtype.
+    fp8_recipe: str | None = _field(
+        None, "fp8_recipe", "delayed | tensorwise | blockwise: FP8 GEMMs (forward, dgrad, wgrad) with scales from an "
+        "amax history, from this step's amax, or per 1x128 activation / 128x128 weight block.")
+    fp8_format: str = _field("hybrid", "fp8_format", "e4m3 (every GEMM operand) | hybrid (e4m3 forward, e5m2 grads).")
+    fp8_amax_history_len: int = _field(1, "fp8_amax_history_len", "Steps of amax history (delayed scaling).")
+    fp8_amax_compute_algo: str = _field("most_recent", "fp8_amax_compute_algo",
+                                        "most_recent | max: the amax a delayed scale is computed from.")
+    fp8_margin: int = _field(0, "fp8_margin", "Scales are divided by 2^margin (headroom against overflow).")
+    fp8_log_stats: bool = _field(False, "fp8_log_stats", "Log FP8 amax/scale statistics at each logged step.")
+    fp4_recipe: str | None = _field(
+        None, "fp4_recipe", "nvfp4 | mxfp4: e2m1 GEMM inputs with 16-element e4m3 (+ fp32 tensor) or 32-element "
+        "e8m0 block scales, emulated on Hopper (quantize -> dequantize -> bf16 GEMM).")
+    fp4_hadamard: bool = _field(False, "fp4_hadamard", "Random Hadamard transform on the FP4 wgrad inputs.")
+    first_last_layers_bf16: bool = _field(
+        False, "first_last_layers_bf16", "Keep the first/last transformer layers of an FP8/FP4 run in compute_dtype.")
+    num_layers_at_start_in_bf16: int = _field(1, "num_layers_at_start_in_bf16")
+    num_layers_at_end_in_bf16: int = _field(1, "num_layers_at_end_in_bf16")
+    quantize_output_layer: bool = _field(
+        False, "quantize_output_layer", "Quantize the (untied) LM head too; by default it stays in compute_dtype, "
+        "as do the embedding lookup and the MoE router.")
+    quant_impl: str = _field("auto", "quant_impl", "auto | xla | pallas: kernels of blockwise FP8 and FP4 (auto: "
+                             "pallas on GPU, the pure-JAX reference elsewhere).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,51 @@ def validate_model(cfg: Config) -> None:
             f"{m.max_position_embeddings} of the learned position table")
 
 
+def validate_quantization(cfg: Config, num_devices: int) -> None:
+    """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
+    pr, m = cfg.precision, cfg.model
+    _choice(pr.fp8_recipe, (None, "delayed", "tensorwise", "blockwise"), "fp8_recipe")
+    _choice(pr.fp4_recipe, (None, "nvfp4", "mxfp4"), "fp4_recipe")
+    _choice(pr.fp8_format, ("e4m3", "hybrid"), "fp8_format")
+    _choice(pr.fp8_amax_compute_algo, ("most_recent", "max"), "fp8_amax_compute_algo")
+    _choice(pr.quant_impl, ("auto", "xla", "pallas"), "quant_impl")
+    _positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
+    if pr.fp8_margin < 0:
+        raise ConfigError(f"--fp8_margin must be >= 0, got {pr.fp8_margin}")
+    if pr.fp8_recipe is None and pr.fp4_recipe is None:
+        return
+    if pr.fp8_recipe is not None and pr.fp4_recipe is not None:
+        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} and --fp4_recipe={pr.fp4_recipe} are both set; choose one")
+    if pr.compute_dtype == "float16":
+        raise ConfigError("FP8/FP4 training runs with --bf16 (or float32) compute, not --fp16")
+    if pr.first_last_layers_bf16:
+        start, end = pr.num_layers_at_start_in_bf16, pr.num_layers_at_end_in_bf16
+        if start < 0 or end < 0 or start + end >= m.num_layers:
+            raise ConfigError(
+                f"--num_layers_at_start_in_bf16={start} + --num_layers_at_end_in_bf16={end} must leave at least one "
+                f"of the {m.num_layers} layers quantized (and neither may be negative)")
+        if cfg.parallel.pp > 1:
+            raise ConfigError("--first_last_layers_bf16 is not supported with --pp > 1 yet")
+    if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
+        raise ConfigError("--fp8_recipe with --pp > 1 is not supported yet (the FP8 scaling state is not split over "
+                          "pipeline stages); use --pp=1")
+    if pr.quantize_output_layer and not m.untie_embeddings_and_output_weights:
+        raise ConfigError("--quantize_output_layer needs an untied LM head (--untie_embeddings_and_output_weights); "
+                          "the tied output layer stays in compute_dtype")
+    if pr.fp8_recipe == "blockwise":
+        _, micro, _ = resolve_batch(cfg, num_devices)
+        dims = {"--hidden_size": m.hidden_size, "--ffn_hidden_size": m.ffn_hidden_size,
+                "--num_attention_heads x --kv_channels": m.num_attention_heads * m.head_dim,
+                "--num_query_groups x --kv_channels": m.num_kv_heads * m.head_dim,
+                "--micro_batch_size x --seq_length (tokens per micro-batch)": micro * cfg.train.seq_length}
+        if pr.quantize_output_layer:
+            dims["the padded vocab (--make_vocab_size_divisible_by)"] = m.padded_vocab_size()
+        bad = [f"{k}={v}" for k, v in dims.items() if v % 128]
+        if bad:
+            raise ConfigError(f"--fp8_recipe=blockwise needs GEMM sizes that are multiples of 128: {', '.join(bad)}; "
+                              "change them or use --fp8_recipe=tensorwise")
+
+
 def validate(cfg: Config, num_devices: int = 1) -> None:
     validate_model(cfg)
     p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
@@ -128,6 +173,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     jnp.dtype(pr.compute_dtype)
     if pr.loss_scale is not None and pr.loss_scale <= 0:
         raise ConfigError(f"--loss_scale must be positive, got {pr.loss_scale}")
+    validate_quantization(cfg, num_devices)
 
     _choice(o.optimizer, ("adamw", "sgd"), "optimizer")
     _choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")

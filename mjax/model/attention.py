@@ -13,16 +13,18 @@ QKV_AXES = ("batch", "seq", None, "head_dim")
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
         self.cfg = cfg
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
-        common = dict(std=cfg.init_method_std, use_bias=qkv_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = dict(std=cfg.init_method_std, use_bias=qkv_bias, dtype=dtype, param_dtype=param_dtype, quant=quant,
+                      rngs=rngs)
         self.q_proj = Linear((d,), (n, h), in_axes=("embed",), out_axes=("heads", "head_dim"), **common)
         self.k_proj = Linear((d,), (k, h), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **common)
         self.v_proj = Linear((d,), (k, h), in_axes=("embed",), out_axes=("kv_heads", "head_dim"), **common)
         self.o_proj = Linear((n, h), (d,), in_axes=("heads", "head_dim"), out_axes=("embed",), std=output_std(cfg),
-                             use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                             use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, quant=quant,
+                             rngs=rngs)
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mjax.kernels.quant import QuantPolicy, policy_from_precision
+from mjax.model.layers import Fp8Meta
 from mjax.model.transformer import CausalLM
 
 
@@ -19,16 +21,34 @@ class ModelDef:
     cfg: object  # ModelConfig
     dtype: str = "float32"
     param_dtype: str = "float32"
+    quant: QuantPolicy | None = None  # the FP8/FP4 policy of the linear layers (mjax/kernels/quant.py)
 
     def module(self, key) -> CausalLM:
         return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
-                        rngs=nnx.Rngs(params=key))
+                        quant=self.quant, rngs=nnx.Rngs(params=key))
 
     @functools.cached_property
-    def _graph(self):
+    def _split(self):
+        """(graphdef, params state, FP8 scales state or None)."""
         abstract = nnx.eval_shape(lambda: self.module(jax.random.key(0)))
-        graphdef, state = nnx.split(abstract, nnx.Param)
-        return graphdef, state
+        if self.quant is None or not self.quant.has_fp8_meta:
+            return (*nnx.split(abstract, nnx.Param), None)
+        return nnx.split(abstract, nnx.Param, Fp8Meta)
+
+    @property
+    def _graph(self):
+        return self._split[:2]
+
+    @property
+    def has_fp8(self) -> bool:
+        return self._split[2] is not None
+
+    def init_fp8(self) -> dict:
+        """The FP8 scales of every quantized linear layer ({} without FP8): [3] per layer, stacked layers
+        [num_layers, 3]. They live in TrainState.fp8 (mjax/train/fp8_state.py), not among the params."""
+        if not self.has_fp8:
+            return {}
+        return nnx.to_pure_dict(jax.tree.map(lambda v: jnp.ones(v.shape, v.dtype), self._split[2]))
 
     def init(self, key) -> dict:
         return nnx.to_pure_dict(nnx.state(self.module(key), nnx.Param))
@@ -42,15 +62,24 @@ class ModelDef:
                             is_leaf=lambda x: isinstance(x, nnx.Variable))
         return nnx.to_pure_dict(axes)
 
-    def bind(self, params: dict) -> CausalLM:
+    def bind(self, params: dict, fp8: dict | None = None) -> CausalLM:
         """The NNX module holding `params` (inside a trace this is free)."""
         graphdef, template = self._graph
         state = jax.tree.map(lambda x: x, template)
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state)
+        if not self.has_fp8:
+            return nnx.merge(graphdef, state)
+        if fp8 is None:
+            if self.quant.fp8_recipe == "delayed":
+                raise ValueError("--fp8_recipe=delayed needs its scales: pass fp8=TrainState.fp8.scales to apply()")
+            fp8 = self.init_fp8()  # current-scaling recipes only read the scales' gradient slot
+        meta = jax.tree.map(lambda x: x, self._split[2])
+        nnx.replace_by_pure_dict(meta, fp8)
+        return nnx.merge(graphdef, state, meta)
 
-    def apply(self, params, tokens, positions=None, segment_ids=None):
-        return self.bind(params)(tokens, positions, segment_ids)
+    def apply(self, params, tokens, positions=None, segment_ids=None, fp8=None):
+        """fp8: the FP8 scales dict (TrainState.fp8.scales); its gradient is the amax each layer observed."""
+        return self.bind(params, fp8)(tokens, positions, segment_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -61,7 +90,8 @@ def build_model(cfg, precision=None) -> ModelDef:
     """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes)."""
     if precision is None:
         return ModelDef(cfg)
-    return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype)
+    return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype,
+                    quant=policy_from_precision(precision))
 
 
 def count_params(params) -> int:

@@ -1,4 +1,7 @@
-"""Basic layers: Linear over arbitrary in/out axes, Embed, RMSNorm, LayerNorm. Params fp32, compute in `dtype`."""
+"""Basic layers: Linear over arbitrary in/out axes, Embed, RMSNorm, LayerNorm. Params fp32, compute in `dtype`.
+
+Every linear layer's matmul follows the precision policy: `quant=None` is the plain compute-dtype matmul, a
+`mjax.kernels.quant.QuantPolicy` routes it through the FP8/FP4 dispatch (`quantized_matmul`)."""
 
 import math
 
@@ -6,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mjax.kernels.quant import initial_meta, quantized_matmul
 from mjax.model.sharding import param
 
 
@@ -13,22 +17,45 @@ def _normal(rngs, shape, std, dtype):
     return std * jax.random.normal(rngs.params(), shape, dtype)
 
 
+class Fp8Meta(nnx.Variable):
+    """FP8 scales [3] of a linear layer's (input, weight, output grad). Not a parameter: its gradient is the amax
+    observed, which the train step folds into the amax history (mjax/train/fp8_state.py)."""
+
+
 class Linear(nnx.Module):
     """y = x @ W (+ b), contracting the last len(in_shape) axes of x. W has shape in_shape + out_shape."""
 
     def __init__(self, in_shape, out_shape, *, in_axes, out_axes, std, use_bias=False, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, quant=None, rngs: nnx.Rngs):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.n_in = len(in_shape)
         self.dtype = dtype
+        self.quant = quant
         self.kernel = param(_normal(rngs, in_shape + out_shape, std, param_dtype), tuple(in_axes) + tuple(out_axes))
         self.bias = param(jnp.zeros(out_shape, param_dtype), tuple(out_axes)) if use_bias else None
+        self.fp8_meta = Fp8Meta(initial_meta(), logical_axes=(None,)) if quant and quant.has_fp8_meta else None
 
     def __call__(self, x):
-        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.n_in)
+        if self.quant is None:
+            y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.n_in)
+        else:
+            kernel = self.kernel[...]
+            in_shape, out_shape = kernel.shape[:self.n_in], kernel.shape[self.n_in:]
+            k = math.prod(in_shape)
+            meta = None if self.fp8_meta is None else self.fp8_meta[...]
+            y = quantized_matmul(self.quant, x.astype(self.dtype).reshape(-1, k), kernel.reshape(k, -1), meta)
+            y = y.reshape(x.shape[:x.ndim - self.n_in] + out_shape)  # [M, N] -> [..., out...]
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def without_quant(module):
+    """Turns every Linear in `module` back to the compute-dtype matmul (layers kept in bf16); returns module."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Linear):
+            node.quant = None
+    return module
 
 
 class Embed(nnx.Module):

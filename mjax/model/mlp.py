@@ -9,10 +9,10 @@ from mjax.model.sharding import constrain
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.gated = cfg.activation == "swiglu"
-        common = dict(use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        common = dict(use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
         up = dict(in_axes=("embed",), out_axes=("mlp",), std=cfg.init_method_std, **common)
         if self.gated:
             self.gate_proj = Linear((d,), (f,), **up)

@@ -6,7 +6,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.model.attention import Attention
-from mjax.model.layers import Embed, Linear, make_norm
+from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
 from mjax.model.sharding import constrain, param
 
@@ -14,11 +14,11 @@ RESIDUAL = ("batch", "residual_seq", "act_embed")
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids):  # x: [B, T, D]
         h = checkpoint_name(self.attn_norm(x), "norm")
@@ -37,13 +37,15 @@ def remat_policy(cfg):
 
 
 class CausalLM(nnx.Module):
-    """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Layers live stacked in `self.layers`."""
+    """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Layers live stacked in `self.layers`.
 
-    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    `quant` (a mjax.kernels.quant.QuantPolicy or None) is the precision policy of the linear layers."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, rngs: nnx.Rngs):
         if cfg.num_experts is not None:
             raise NotImplementedError(
                 f"model {cfg.name!r} has num_experts={cfg.num_experts}: MoE layers are not implemented yet")
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
         self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -54,7 +56,7 @@ class CausalLM(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs):
-            return Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            return Block(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
         self.layers = make_layers(rngs)
         for _, var in nnx.iter_graph(self.layers):  # stacked params gain a leading `layers` axis
@@ -62,8 +64,10 @@ class CausalLM(nnx.Module):
                 var.set_metadata("logical_axes", ("layers",) + var.get_metadata()["logical_axes"])
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if cfg.untie_embeddings_and_output_weights:
+            head_quant = quant if quant is not None and quant.output_layer else None
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
-                                  std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                  std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, quant=head_quant,
+                                  rngs=rngs)
 
     def hidden_states(self, tokens, positions=None, segment_ids=None):
         """The final-norm output [B, T, D] in compute dtype."""
@@ -79,18 +83,33 @@ class CausalLM(nnx.Module):
 
         graphdef, state = nnx.split(self.layers)
 
-        def layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions, segment_ids), None
+        def make_layer(quantized):
+            def layer(x, layer_state):
+                block = nnx.merge(graphdef, layer_state)
+                return (block if quantized else without_quant(block))(x, positions, segment_ids), None
 
-        policy = remat_policy(cfg)
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            x, _ = jax.lax.scan(layer, x, state)
-        else:
-            for i in range(cfg.num_layers):
-                x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], state))
+            policy = remat_policy(cfg)
+            return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+
+        n = jax.tree.leaves(state)[0].shape[0]
+        for start, stop, quantized in self._layer_segments(n):
+            seg = state if (start, stop) == (0, n) else jax.tree.map(lambda a, s=start, e=stop: a[s:e], state)
+            layer = make_layer(quantized)
+            if cfg.scan_layers:
+                x, _ = jax.lax.scan(layer, x, seg)
+            else:
+                for i in range(stop - start):
+                    x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], seg))
         return self.final_norm(x)
+
+    def _layer_segments(self, n: int) -> list[tuple[int, int, bool]]:
+        """(start, stop, quantized) runs of layers: --first_last_layers_bf16 keeps the ends in compute dtype, each
+        run scanned separately (the quantized/bf16 choice is static, so one scan cannot switch it)."""
+        if self.quant is None or self.quant.bf16_layers == (0, 0):
+            return [(0, n, self.quant is not None)]
+        first, last = self.quant.bf16_layers
+        bounds = [(0, first, False), (first, n - last, True), (n - last, n, False)]
+        return [b for b in bounds if b[1] > b[0]]
 
     def logits(self, h):
         """[B, T, D] -> fp32 logits [B, T, padded vocab]."""

@@ -52,7 +52,7 @@ class Setup:
         init_key, rng = jax.random.split(key)
 
         def create(k):
-            return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision)
+            return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision, self.model.init_fp8())
 
         with logical_sharding(self.mesh, logical_rules(self.cfg)):
             return jax.jit(create, out_shardings=self.state_sharding)(init_key)
@@ -79,7 +79,7 @@ def build(cfg, devices=None) -> Setup:
     abstract_params = model.abstract_params()
     p_sharding = param_shardings(mesh, model.logical_axes(), rules, abstract_params)
     abstract_state = jax.eval_shape(
-        lambda p: TrainState.create(p, tx, jax.random.key(0), cfg.precision), abstract_params)
+        lambda p: TrainState.create(p, tx, jax.random.key(0), cfg.precision, model.init_fp8()), abstract_params)
     zero1 = cfg.parallel.use_distributed_optimizer
     return Setup(cfg, mesh, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding, zero1),
                  batch_sharding(mesh), micro_batches, abstract_state)
@@ -121,14 +121,14 @@ def _log_compiled_memory(compiled):
              _gib(m.alias_size_in_bytes), _gib(m.temp_size_in_bytes), _gib(total))
 
 
-def evaluate(eval_fn, params, batches, setup) -> float:
+def evaluate(eval_fn, params, batches, setup, fp8=None) -> float:
     """Mean token loss over the validation batches (each a whole global batch, no accumulation)."""
     sharding = batch_sharding(setup.mesh, ndim=2, leading=False)
     total, count = 0.0, 0.0
     for batch in batches:
         placed = {k: jax.make_array_from_process_local_data(
             sharding, v, (v.shape[0] * jax.process_count(), *v.shape[1:])) for k, v in batch.items()}
-        s, c = eval_fn(params, placed)
+        s, c = eval_fn(params, placed, fp8)
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)
 
@@ -185,7 +185,8 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
                     logger.log(record)
                 logger.progress.update(step)
                 if valid_batches is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-                    loss = evaluate(eval_fn, state.params, valid_batches(), setup)
+                    loss = evaluate(eval_fn, state.params, valid_batches(), setup,
+                                    state.fp8.scales if state.fp8 is not None else None)
                     eval_history.append({"step": step, "eval_loss": loss})
                     log.info("step %6d | eval loss %.4f | eval ppl %.2f", step, loss, float(np.exp(min(loss, 50))))
                     last_t = time.perf_counter()
@@ -215,7 +216,18 @@ def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, comp
         "peak_memory_bytes": peak_memory_bytes(),
         "skipped_steps": int(state.skipped_steps),
         "compile_s": compile_s,
+        **_fp8_record(metrics, cfg),
     }
+
+
+def _fp8_record(metrics, cfg) -> dict:
+    """FP8 numerics guards: warn on saturated or non-finite amaxes; the statistics too with --fp8_log_stats."""
+    stats = {k: float(v) for k, v in metrics.items() if k.startswith("fp8_")}
+    if stats.get("fp8_overflow", 0) or stats.get("fp8_nonfinite_amax", 0):
+        log.warning("FP8: %d tensors saturated their delayed scale, %d amaxes were not finite this step; consider "
+                    "--fp8_margin, a longer --fp8_amax_history_len or --fp8_recipe=tensorwise",
+                    stats["fp8_overflow"], stats["fp8_nonfinite_amax"])
+    return stats if cfg.precision.fp8_log_stats else {}
 
 
 def _check_finite(state, cfg):

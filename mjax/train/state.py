@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mjax.train.fp8_state import Fp8State
+
 
 @struct.dataclass
 class LossScale:
@@ -40,9 +42,12 @@ class TrainState:
     loss_scale: LossScale
     first_nonfinite_step: jax.Array  # int32, -1 until a step's loss or grad norm is NaN/Inf
     skipped_steps: jax.Array  # int32: updates not applied (non-finite or fp16 overflow)
+    fp8: Fp8State | None = None  # FP8 amax history and scales (--fp8_recipe), else None
 
     @classmethod
-    def create(cls, params, tx, rng, precision):
+    def create(cls, params, tx, rng, precision, fp8_scales: dict | None = None):
+        """fp8_scales: the model's initial FP8 scales (ModelDef.init_fp8()); empty or None without FP8."""
+        fp8 = Fp8State.create(fp8_scales, precision.fp8_amax_history_len) if fp8_scales else None
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
                    loss_scale=LossScale.create(precision), first_nonfinite_step=jnp.full((), -1, jnp.int32),
-                   skipped_steps=jnp.zeros((), jnp.int32))
+                   skipped_steps=jnp.zeros((), jnp.int32), fp8=fp8)

@@ -6,14 +6,17 @@ import jax.numpy as jnp
 import optax
 
 from mjax.kernels.cross_entropy import cross_entropy_reference
+from mjax.train import fp8_state
 from mjax.train.state import TrainState
 
 
-def token_losses(model, params, batch, z_loss_coeff: float, use_segments: bool):
+def token_losses(model, params, batch, z_loss_coeff: float, use_segments: bool, fp8=None):
     """Per-token loss [B, T] (fp32) of one micro-batch, and the per-token log Z. Segment ids reach attention only
-    when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels."""
+    when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
+    fp8: the FP8 scales (TrainState.fp8.scales) when the model has FP8 layers."""
     segments = batch.get("segment_ids") if use_segments else None
-    logits = model.apply(params, batch["inputs"], batch.get("positions"), segments)
+    extra = {"fp8": fp8} if fp8 else {}
+    logits = model.apply(params, batch["inputs"], batch.get("positions"), segments, **extra)
     return cross_entropy_reference(logits, batch["targets"], vocab_size=model.cfg.vocab_size,
                                    z_loss_coeff=z_loss_coeff)
 
@@ -27,8 +30,8 @@ def make_train_step(model, cfg, tx, schedule):
     stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
     use_segments = cfg.data.reset_attention_mask
 
-    def micro_loss(params, micro, denom, scale):
-        loss, log_z = token_losses(model, params, micro, z_coeff, use_segments)
+    def micro_loss(params, fp8_scales, micro, denom, scale):
+        loss, log_z = token_losses(model, params, micro, z_coeff, use_segments, fp8_scales)
         mask = micro["loss_mask"]
         total = jnp.sum(loss * mask)
         return total * scale / denom, (total, jnp.sum(jnp.square(log_z) * mask))
@@ -36,16 +39,20 @@ def make_train_step(model, cfg, tx, schedule):
     def step(state: TrainState, batch):
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         scale = state.loss_scale.scale if fp16 else jnp.ones((), jnp.float32)
-        grad_fn = jax.grad(micro_loss, has_aux=True)
+        # The FP8 scales' "gradients" are the amaxes each layer observed (kernels/fp8.py): max over micro-batches.
+        fp8_scales = state.fp8.scales if state.fp8 is not None else {}
+        grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
 
         def accumulate(carry, micro):
-            grads, loss_sum, z_sum = carry
-            g, (l, z) = grad_fn(state.params, micro, denom, scale)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, z_sum + z), None
+            grads, amaxes, loss_sum, z_sum = carry
+            (g, a), (l, z) = grad_fn(state.params, fp8_scales, micro, denom, scale)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.maximum, amaxes, a), loss_sum + l,
+                    z_sum + z), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
+        init = (zeros, jax.tree.map(jnp.zeros_like, fp8_scales), jnp.zeros((), jnp.float32),
+                jnp.zeros((), jnp.float32))
+        (grads, amaxes, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
@@ -65,21 +72,26 @@ def make_train_step(model, cfg, tx, schedule):
         first_bad = jnp.where((state.first_nonfinite_step < 0) & bad, state.step, state.first_nonfinite_step)
         apply = finite & ~(stop_on_nonfinite & (first_bad >= 0))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+        new_fp8, fp8_stats = state.fp8, {}
+        if state.fp8 is not None:  # a skipped step's amaxes are not trusted: the FP8 state is kept like the params
+            new_fp8, fp8_stats = fp8_state.update(state.fp8, amaxes, precision)
+            new_fp8 = keep(new_fp8, state.fp8)
         new_state = state.replace(
             step=state.step + 1, params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
             loss_scale=state.loss_scale.update(finite, precision, dynamic_scale),
-            first_nonfinite_step=first_bad, skipped_steps=state.skipped_steps + (~apply).astype(jnp.int32))
+            first_nonfinite_step=first_bad, skipped_steps=state.skipped_steps + (~apply).astype(jnp.int32),
+            fp8=new_fp8)
         metrics = {"loss": loss, "grad_norm": grad_norm, "z_loss": z_sum / denom, "num_tokens": denom,
                    "loss_scale": state.loss_scale.scale, "update_applied": apply,
-                   "lr": schedule(state.step - state.skipped_steps)}
+                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats}
         return new_state, metrics
 
     return step
 
 
 def make_eval_step(model, cfg):
-    def eval_step(params, batch):  # batch: [batch, seq]
-        loss, _ = token_losses(model, params, batch, 0.0, cfg.data.reset_attention_mask)
+    def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
+        loss, _ = token_losses(model, params, batch, 0.0, cfg.data.reset_attention_mask, fp8)
         return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
 
     return eval_step
