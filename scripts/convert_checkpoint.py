@@ -6,7 +6,8 @@
 
 hf_to_mjax reads config.json and model.safetensors (or shards with model.safetensors.index.json) and writes
 config.json, params/ (an Orbax PyTree checkpoint of the params) and the tokenizer files; mjax_to_hf writes
-config.json, safetensors shards (+ index) and the tokenizer files, which `transformers` loads. Tensors stream one
+config.json, safetensors shards (+ index) and the tokenizer files, which `transformers` loads; its --input may also
+be a training checkpoint (`scripts/train.py --save` directory, latest step unless --ckpt_step). Tensors stream one
 (stacked) parameter at a time, so host memory stays near the largest parameter, not the model.
 """
 
@@ -26,6 +27,7 @@ flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"
                   "Dtype of the written tensors; `source` keeps each tensor's stored dtype.")
 flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
                     "else inferred: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM or LlamaForCausalLM).")
+flags.DEFINE_integer("ckpt_step", None, "mjax_to_hf from a training checkpoint: the step (default: latest).")
 flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.")
 flags.mark_flags_as_required(["direction", "input", "output"])
 FLAGS = flags.FLAGS
@@ -49,7 +51,7 @@ def main(argv):
             summary = hf_to_mjax(FLAGS.input, FLAGS.output, dtype=dtype)
         else:
             summary = mjax_to_hf(FLAGS.input, FLAGS.output, dtype=dtype, architecture=FLAGS.architecture,
-                                 max_shard_bytes=FLAGS.max_shard_size_mb * 10**6)
+                                 max_shard_bytes=FLAGS.max_shard_size_mb * 10**6, step=FLAGS.ckpt_step)
     except (ConversionError, FileNotFoundError) as e:
         sys.exit(f"convert_checkpoint: {e}")
     gb = summary["bytes"] / 1e9

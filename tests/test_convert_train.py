@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from mjax.convert import hf_to_mjax, load_pretrained
+from mjax.convert import hf_to_mjax, load_pretrained, mjax_to_hf
 from tests.convert_utils import FIXTURES, next_token_loss, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,13 +34,21 @@ def test_first_step_loss_equals_hf_loss(name, tmp_path):
     b, t = ref["tokens"].shape
     cfg = cfg.replace(train=dict(train_iters=1, global_batch_size=b, seq_length=t - 1),
                       precision=dict(compute_dtype="float32", params_dtype="float32"),
-                      logging=dict(log_interval=1, progress=False))
+                      logging=dict(log_interval=1, progress=False),
+                      checkpoint=dict(save=str(tmp_path / "run"), async_save=False))
     devices = jax.devices()[:1]
     setup = build(cfg, devices)
     state = TrainState.create(model.params, setup.tx, jax.random.key(0), cfg.precision)
     state = jax.device_put(state, setup.state_sharding)
     result = train(cfg, data=(_batches(ref["tokens"]), None), devices=devices, state=state)
     assert result.history[0]["loss"] == pytest.approx(float(ref["loss"]), abs=2e-5)
+
+    # ... and the trained model goes back out: export the training checkpoint, reload it as an HF directory.
+    mjax_to_hf(tmp_path / "run", tmp_path / "trained_hf")
+    trained, _ = load_pretrained(tmp_path / "trained_hf")
+    want = np.asarray(setup.model.apply(result.state.params, ref["tokens"]))[..., :cfg.model.vocab_size]
+    np.testing.assert_allclose(np.asarray(trained(ref["tokens"])), want, atol=1e-5)
+    assert not np.allclose(want, ref["logits"], atol=1e-4)  # the step changed the weights
 
 
 def test_train_script_load_params_only_first_step_loss(tmp_path):

@@ -179,14 +179,32 @@ def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:
     return {**base, **generated, "vocab_size": m.vocab_size, "torch_dtype": str(np.dtype(dtype))}
 
 
+def _mjax_source(src: Path, step: int | None):
+    """(Config, directory holding params/) of a converted checkpoint, or of a training checkpoint written by
+    `scripts/train.py --save` (its latest step unless `step`)."""
+    if orbax_io.is_mjax_checkpoint(src):
+        return from_dict(json.loads((src / orbax_io.CONFIG).read_text())), src
+    steps = sorted(int(p.name) for p in src.iterdir() if p.name.isdigit() and (p / orbax_io.PARAMS).is_dir()) \
+        if src.is_dir() else []
+    if src.name.isdigit() and (src / orbax_io.PARAMS).is_dir():  # a step directory itself
+        src, steps, step = src.parent, [int(src.name)], int(src.name)
+    if not steps:
+        raise ConversionError(f"{src} is not an mjax checkpoint: expected config.json and params/ (converted) or "
+                              "step directories (scripts/train.py --save)")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ConversionError(f"--ckpt_step={step}: {src} holds steps {steps}")
+    from mjax.checkpoint import saved_config  # noqa: PLC0415
+
+    return saved_config(str(src), step), src / str(step)
+
+
 def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = None,
-               max_shard_bytes: int = 5 << 30) -> dict:
-    """Converts an mjax checkpoint (config.json + params/) into an HF directory that transformers loads."""
-    src, output = Path(input_dir), Path(output_dir)
-    if not orbax_io.is_mjax_checkpoint(src):
-        raise ConversionError(f"{src} is not an mjax checkpoint (expected config.json with a model section and "
-                              "params/)")
-    cfg = from_dict(json.loads((src / orbax_io.CONFIG).read_text()))
+               max_shard_bytes: int = 5 << 30, step: int | None = None) -> dict:
+    """Converts an mjax checkpoint into an HF directory that transformers loads: a converted one (config.json +
+    params/) or a training checkpoint of scripts/train.py --save (latest step unless `step`)."""
+    cfg, src = _mjax_source(Path(input_dir), step)
+    output = Path(output_dir)
     m = cfg.model
     original = json.loads((src / orbax_io.HF_CONFIG).read_text()) if (src / orbax_io.HF_CONFIG).exists() else None
     if architecture:
@@ -209,16 +227,16 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
     output.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
     for r in rules:
-        stacked = orbax_io.read_params(src, r.mjax)  # one parameter group in memory at a time
-        names = family.hf_names(r, dims.layers)
-        for i, name in enumerate(names):
-            parts = tuple(stacked[p][i] if r.per_layer else stacked[p] for p in r.mjax)
+        stores = orbax_io.open_params(src, r.mjax)  # read lazily: one layer of one parameter group at a time
+        for i, name in enumerate(family.hf_names(r, dims.layers)):
+            parts = tuple(np.asarray((s[i] if r.per_layer else s).read().result()) for s in stores.values())
             writer.write(name, np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(out_dtype(r), copy=False))
-        del stacked
     writer.close()
     first_dtype = plan[0][2]
     orbax_io.write_json(output / "config.json", hf_config_for(m, family, original, first_dtype))
-    copy_tokenizer(src, output)
+    if not copy_tokenizer(src, output) and cfg.data.tokenizer_model:  # a training run's --tokenizer_model
+        tok = Path(cfg.data.tokenizer_model)
+        copy_tokenizer(tok if tok.is_dir() else tok.parent, output)
     return {"architecture": family.architectures[0], "tensors": len(plan), "bytes": writer.total,
             "files": writer.files}
 

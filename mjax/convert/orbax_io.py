@@ -134,6 +134,30 @@ def read_params(directory, paths: Iterable[str] | None = None) -> dict:
     return {p: np.asarray(v) for p, v in flatten(out).items()}
 
 
+def open_params(directory, paths: Iterable[str]) -> dict:
+    """{path: tensorstore.TensorStore} opened lazily on the stored params: `store[i].read().result()` reads layer i
+    alone, so exporting a stacked [L, ...] parameter holds one layer in memory, not L (Orbax's restore of a whole
+    leaf peaks at twice its size). The read spec is Orbax's own, so any layout Orbax wrote opens."""
+    import tensorstore as ts  # noqa: PLC0415
+
+    ocp = _ocp()
+    root = Path(directory).absolute() / PARAMS
+    meta = ocp.PyTreeCheckpointer().metadata(root)
+    tree = getattr(meta, "item_metadata", meta)
+    leaves = flatten(dict(getattr(tree, "tree", tree)))
+    zarr3 = getattr(tree, "use_zarr3", True)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    out = {}
+    for p in paths:
+        if p not in leaves:
+            raise ConversionError(f"parameter {p!r} is missing from the checkpoint {root}")
+        info = ocp.type_handlers.ParamInfo(name=leaves[p].name, parent_dir=root, is_ocdbt_checkpoint=True,
+                                           use_zarr3=zarr3)
+        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+        out[p] = ts.open(spec, open=True, read=True, context=context).result()
+    return out
+
+
 def fit_vocab(path: str, x, padded: int):
     """Pads (zeros) or trims the vocab axis of an embedding/output table to `padded` rows."""
     axis = VOCAB_AXES.get(path)
