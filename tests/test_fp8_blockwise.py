@@ -46,13 +46,13 @@ def _operands(m=256, k=384, n=256, seed=0):
     ka, kb = jax.random.split(jax.random.key(seed))
     a, sa = bw.quantize_rows(jax.random.normal(ka, (m, k)), jnp.float8_e4m3fn)
     b, sb = bw.quantize_tiles(jax.random.normal(kb, (k, n)), jnp.float8_e4m3fn)
-    return a, sa, b, bw.expand_cols(sb)
+    return a, sa, b.T, bw.expand_cols(sb)  # B passed transposed, [N, K]
 
 
 def test_block_gemm_reference_matches_numpy():
     a, sa, b, sb = _operands()
     an = np.asarray(a).astype(np.float32) * np.repeat(np.asarray(sa), 128, 1)
-    bn = np.asarray(b).astype(np.float32) * np.repeat(np.asarray(sb), 128, 0)
+    bn = np.asarray(b).astype(np.float32).T * np.repeat(np.asarray(sb), 128, 0)
     got = jax.jit(bw.block_gemm_reference, static_argnums=4)(a, sa, b, sb, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), an @ bn, rtol=1e-5, atol=1e-4)
 

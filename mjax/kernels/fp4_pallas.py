@@ -63,6 +63,6 @@ def fake_quant_pallas(x, *, recipe: str, interpret: bool = False):
         out_shape=jax.ShapeDtypeStruct(blocks.shape, x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name=f"mjax_{recipe}_fake_quant",
+        name=f"mjax_fp4_fake_quant_{recipe}",
     )(blocks, g)
     return out[:n].reshape(r, c)

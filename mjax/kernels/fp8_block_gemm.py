@@ -1,9 +1,11 @@
 """Pallas (Triton) GEMM with blockwise FP8 scales: the fast path of `fp8_blockwise.block_gemm`.
 
 Each program owns one [bm, bn] output tile and walks K in 128-wide blocks: an FP8 tensor-core product of the
-[bm, 128] and [128, bn] tiles, accumulated in f32 after multiplying by the row scales of A and column scales of B
-for that k-block (DeepGEMM's "promotion" of each k-block's partial product to CUDA cores). Scales are passed
-flattened k-block-major ([KB * M] and [KB * N]) so each iteration loads two contiguous vectors.
+[bm, 128] and [bn, 128] tiles, accumulated in f32 after multiplying by the row scales of A and column scales of B
+for that k-block (DeepGEMM's "promotion" of each k-block's partial product to CUDA cores). B comes transposed,
+[N, K]: Hopper's FP8 tensor cores read both operands K-major (the "TN" layout cuBLASLt also wants), and the
+backward's operands are already laid out that way. Scales are passed flattened k-block-major ([KB * M] and
+[KB * N]) so each iteration loads two contiguous vectors.
 """
 
 import dataclasses
@@ -29,16 +31,16 @@ class GemmTiles:
 DEFAULT_TILES = GemmTiles()
 
 
-def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, bm: int, bn: int, m: int, n: int, k_blocks: int):
+def _kernel(a_ref, bt_ref, sa_ref, sb_ref, o_ref, *, bm: int, bn: int, m: int, n: int, k_blocks: int):
     i, j = pl.program_id(0), pl.program_id(1)
 
     def body(kb, acc):
         start = pl.multiple_of(kb * BLOCK, BLOCK)
         a = a_ref[:, pl.ds(start, BLOCK)]  # [bm, 128] fp8
-        b = b_ref[pl.ds(start, BLOCK), :]  # [128, bn] fp8
+        bt = bt_ref[:, pl.ds(start, BLOCK)]  # [bn, 128] fp8
         sa = sa_ref[pl.ds(kb * m + i * bm, bm)]  # [bm] row scales of this k-block
         sb = sb_ref[pl.ds(kb * n + j * bn, bn)]  # [bn] column scales of this k-block
-        p = lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)  # [bm, bn]
+        p = lax.dot_general(a, bt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bm, bn]
         return acc + p * sa[:, None] * sb[None, :]
 
     acc = lax.fori_loop(0, k_blocks, body, jnp.zeros((bm, bn), jnp.float32))
@@ -46,9 +48,9 @@ def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, bm: int, bn: int, m: int, n:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
-def block_gemm_pallas(a, sa, b, sb, *, out_dtype, interpret: bool = False, tiles: GemmTiles = DEFAULT_TILES):
-    """a [M, K] fp8, sa [M, K/128] f32, b [K, N] fp8, sb [K/128, N] f32 -> [M, N] out_dtype."""
-    (m, k), n = a.shape, b.shape[1]
+def block_gemm_pallas(a, sa, bt, sb, *, out_dtype, interpret: bool = False, tiles: GemmTiles = DEFAULT_TILES):
+    """a [M, K] fp8, sa [M, K/128] f32, bt [N, K] fp8, sb [K/128, N] f32 -> a @ bt.T [M, N] out_dtype."""
+    (m, k), n = a.shape, bt.shape[0]
     bm, bn = min(tiles.bm, m), min(tiles.bn, n)
     if m % bm or n % bn or k % BLOCK:
         raise ValueError(f"block_gemm_pallas: shapes [{m}, {k}] x [{k}, {n}] must tile by ({bm}, {BLOCK}, {bn})")
@@ -59,7 +61,7 @@ def block_gemm_pallas(a, sa, b, sb, *, out_dtype, interpret: bool = False, tiles
         kernel,
         grid=(m // bm, n // bn),
         in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((k, bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((bn, k), lambda i, j: (j, 0)),
                   pl.BlockSpec(sa_flat.shape, lambda i, j: (0,)),
                   pl.BlockSpec(sb_flat.shape, lambda i, j: (0,))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
@@ -67,4 +69,4 @@ def block_gemm_pallas(a, sa, b, sb, *, out_dtype, interpret: bool = False, tiles
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mjax_fp8_block_gemm",
-    )(a, b, sa_flat, sb_flat)
+    )(a, bt, sa_flat, sb_flat)

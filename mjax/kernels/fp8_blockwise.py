@@ -6,13 +6,14 @@ Pallas) or this file's pure-JAX reference, which dequantizes through f32 (the or
 Here a block scale is the *dequantization* factor, s = amax / fp8_max, so x ~= q * s (DeepSeek's convention;
 per-tensor code in fp8.py stores the reciprocal). Every GEMM is one shape of contraction:
 
-    block_gemm(a [M, K] fp8, sa [M, K/128], b [K, N] fp8, sb [K/128, N]) -> [M, N]
-        = sum over k-blocks kb of (a[:, kb] @ b[kb, :]) * sa[:, kb] * sb[kb, :]
+    block_gemm(a [M, K] fp8, sa [M, K/128], bt [N, K] fp8, sb [K/128, N]) -> a @ bt.T [M, N]
+        = sum over k-blocks kb of (a[:, kb] @ bt[:, kb].T) * sa[:, kb] * sb[kb, :]
 
 so a 128x128 weight block scale is repeated over its 128 columns, and each operand is quantized in blocks along
 the dimension that GEMM contracts: forward x 1x128 along K; dgrad grad 1x128 along N with the weight blocks
 transposed; wgrad x and grad in 128x1 blocks along the tokens M. x is saved in compute dtype for that last
-quantization (DeepSeek quantizes it twice too). All of M, K, N must be multiples of 128 (checked in config).
+quantization (DeepSeek quantizes it twice too). Both operands are K-major (bt is B transposed), the layout FP8
+tensor cores read: only the forward's weight needs a transposed copy. M, K, N must be multiples of 128 (config).
 """
 
 import dataclasses
@@ -71,10 +72,10 @@ def dequantize_rows(q, s):
     return q.astype(jnp.float32) * jnp.repeat(s, BLOCK, axis=1)
 
 
-def block_gemm_reference(a, sa, b, sb, out_dtype):
+def block_gemm_reference(a, sa, bt, sb, out_dtype):
     """Dequantize both operands through f32 and multiply in f32: exact up to f32 rounding."""
     ad = dequantize_rows(a, sa)  # [M, K]
-    bd = b.astype(jnp.float32) * jnp.repeat(sb, BLOCK, axis=0)  # [K, N]
+    bd = bt.astype(jnp.float32).T * jnp.repeat(sb, BLOCK, axis=0)  # [K, N]
     return jnp.dot(ad, bd, precision=lax.Precision.HIGHEST).astype(out_dtype)
 
 
@@ -89,12 +90,12 @@ class BlockwiseSpec:
         return FORMATS[self.format]
 
 
-def block_gemm(a, sa, b, sb, out_dtype, spec: BlockwiseSpec):
+def block_gemm(a, sa, bt, sb, out_dtype, spec: BlockwiseSpec):
     if spec.impl == "pallas":
         from mjax.kernels.fp8_block_gemm import block_gemm_pallas  # noqa: PLC0415  (import only when chosen)
 
-        return block_gemm_pallas(a, sa, b, sb, out_dtype=out_dtype, interpret=spec.interpret)
-    return block_gemm_reference(a, sa, b, sb, out_dtype)
+        return block_gemm_pallas(a, sa, bt, sb, out_dtype=out_dtype, interpret=spec.interpret)
+    return block_gemm_reference(a, sa, bt, sb, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -111,7 +112,7 @@ def _fwd(x, w, meta, spec):
     fwd_dtype, _ = spec.dtypes
     xq, sx = quantize_rows(x, fwd_dtype)  # [M, K], [M, K/128]
     wq, sw = quantize_tiles(w, fwd_dtype)  # [K, N], [K/128, N/128]
-    y = block_gemm(xq, sx, wq, expand_cols(sw), x.dtype, spec)  # [M, N]
+    y = block_gemm(xq, sx, wq.T, expand_cols(sw), x.dtype, spec)  # [M, N]
     return y, (x, wq, sw, amax(x), amax(w), jnp.zeros((0,), w.dtype))
 
 
@@ -119,10 +120,10 @@ def _bwd(spec, res, g):
     x, wq, sw, ax, aw, w_like = res
     fwd_dtype, grad_dtype = spec.dtypes
     gq, sg = quantize_rows(g, grad_dtype)  # [M, N], [M, N/128]
-    dx = block_gemm(gq, sg, wq.T, expand_cols(sw.T), x.dtype, spec)  # [M, K]
+    dx = block_gemm(gq, sg, wq, expand_cols(sw.T), x.dtype, spec)  # [M, K]: bt = (w^T)^T = w
     xtq, sxt = quantize_rows(x.T, fwd_dtype)  # [K, M], [K, M/128]: 128x1 blocks of x
     gtq, sgt = quantize_rows(g.T, grad_dtype)  # [N, M], [N, M/128]: 128x1 blocks of g
-    dw = block_gemm(xtq, sxt, gtq.T, sgt.T, jnp.float32, spec).astype(w_like.dtype)  # [K, N]
+    dw = block_gemm(xtq, sxt, gtq, sgt.T, jnp.float32, spec).astype(w_like.dtype)  # [K, N]
     return dx, dw, jnp.stack([ax, aw, amax(g)])
 
 

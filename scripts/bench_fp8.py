@@ -1,0 +1,302 @@
+"""FP8/FP4 on the GPU in one run: HLO checks, GEMM throughput per recipe next to bf16, llama3.2-3b tokens/s.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python scripts/bench_fp8.py --out=/tmp/bench_fp8.json [--budget_s=220]
+    PYTHONPATH=. python scripts/bench_fp8.py --smoke   # small shapes, tiny model: checks the script off GPU
+
+Sections, in priority order, each saved to the JSON as soon as it ends (a timeout keeps what finished):
+  hlo     an FP8 (tensorwise) train step of a small model compiles to cuBLASLt FP8 GEMMs (`$f8`); the FP4 round
+          trip survives XLA only behind the optimization barrier
+  gemm    8192^3: the bf16 GEMM ceiling and the FP8 one (quantized operands straight into dot_general), the
+          blockwise Pallas GEMM (a few tile shapes), then one linear layer's forward + dgrad + wgrad per recipe,
+          quantization included, against bf16's three GEMMs
+  e2e     llama3.2-3b train steps, bf16 then fp8 tensorwise (same params, mock data): tokens/s and their ratio
+  hlo2    delayed / blockwise / nvfp4 train steps of the small model: which GEMM kernels each compiles to
+"""
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mjax.xla_flags import apply_defaults  # noqa: E402
+
+apply_defaults()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from mjax.config import load_config  # noqa: E402
+from mjax.kernels import fp4, fp8_blockwise  # noqa: E402
+from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
+from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
+from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
+from mjax.model import logical_sharding  # noqa: E402
+from mjax.parallel.rules import logical_rules  # noqa: E402
+from mjax.train.benchmark import synthetic_batch  # noqa: E402
+from mjax.train.fp8_state import Fp8State  # noqa: E402
+from mjax.train.loop import build  # noqa: E402
+from mjax.train.metrics import flops_per_step  # noqa: E402
+from mjax.train.step import make_train_step  # noqa: E402
+
+F8_CALL = "__cublas$lt$matmul$f8"
+T0 = time.perf_counter()
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def kernel_census(hlo: str) -> dict:
+    """Which GEMM kernels a compiled module calls (a scanned layer's GEMMs appear once)."""
+    lines = hlo.splitlines()
+    calls = [ln for ln in lines if "custom-call" in ln or "custom_call_target" in ln]
+    return {"cublaslt_f8": sum(F8_CALL in ln for ln in calls),
+            "cublas_other": sum(("__cublas$" in ln) and (F8_CALL not in ln) for ln in calls),
+            "triton_fusion_gemm": sum("__triton_gemm" in ln for ln in lines),
+            "pallas_block_gemm": hlo.count("mjax_fp8_block_gemm") > 0,
+            "pallas_fp4_quant": "mjax_fp4_fake_quant" in hlo,
+            "f4e2m1fn_present": "f4e2m1fn" in hlo,
+            "cudnn": sum("__cudnn$" in ln for ln in calls)}
+
+
+def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
+    """Mean seconds per call after compile and warm-up; one block at the end of the timed loop."""
+    jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = max(time.perf_counter() - t, 1e-6)
+    n = int(min(max_iters, max(3, min_s / one)))
+    t = time.perf_counter()
+    for _ in range(n):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / n
+
+
+# ---------------------------------------------------------------- small-model train steps (HLO)
+
+def small_config(**precision):
+    cfg = load_config("tiny").replace(
+        model=dict(num_layers=2, hidden_size=512, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=1024,
+                   vocab_size=2048),
+        train=dict(global_batch_size=4, seq_length=256, train_iters=10),
+        precision={"compute_dtype": "bfloat16", **precision}, logging=dict(progress=False))
+    return cfg
+
+
+def compile_step(cfg, state=None):
+    setup = build(cfg, jax.devices()[:1])
+    state = setup.init_state(0) if state is None else state
+    batch = synthetic_batch(cfg, setup)
+    with logical_sharding(setup.mesh, logical_rules(cfg)):
+        step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
+                       in_shardings=(setup.state_sharding, setup.batch_sharding),
+                       out_shardings=(setup.state_sharding, None), donate_argnums=0)
+        t = time.perf_counter()
+        compiled = step.lower(state, batch).compile()
+    return setup, state, batch, compiled, time.perf_counter() - t
+
+
+def hlo_section(args, recipes) -> dict:
+    out = {}
+    for name, precision in recipes.items():
+        try:
+            _, state, batch, compiled, compile_s = compile_step(small_config(**precision))
+            losses = []
+            for _ in range(3):
+                state, metrics = compiled(state, batch)
+                losses.append(float(metrics["loss"]))
+            out[name] = {"compile_s": round(compile_s, 1), "losses": losses, **kernel_census(compiled.as_text())}
+        except Exception as e:  # noqa: BLE001  (report every failure, keep going)
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        print(f"[{elapsed():6.1f}s] hlo {name}: {out[name]}", flush=True)
+    return out
+
+
+def fp4_fold_check() -> dict:
+    x = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
+    bare = jax.jit(lambda x: x.astype(fp4.E2M1).astype(jnp.float32)).lower(x).compile().as_text()
+    kept = jax.jit(lambda x: fp4.fake_quant_reference(x, "nvfp4")).lower(x).compile().as_text()
+    return {"bare_round_trip_keeps_e2m1": "f4e2m1fn" in bare, "with_barrier_keeps_e2m1": "f4e2m1fn" in kept}
+
+
+# ---------------------------------------------------------------- GEMMs
+
+def gemm_section(args) -> dict:
+    n = 512 if args.smoke else 8192
+    m = k = n
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (k, n), jnp.float32) * 0.02
+    g = (jax.random.normal(kg, (m, n), jnp.float32) * 1e-4).astype(jnp.bfloat16)
+    flop = 2.0 * m * n * k
+    rows, out = [], {"shape": [m, k, n]}
+
+    def record(name, fn, fargs, gemms, base=None):
+        try:
+            compiled = fn.lower(*fargs).compile()
+            census = kernel_census(compiled.as_text())
+            t = time_fn(compiled, *fargs)
+            row = {"case": name, "ms": round(t * 1e3, 3), "tflops": round(gemms * flop / t / 1e12, 1), **census}
+            if base is not None:
+                row["speedup_vs_bf16"] = round(base / t, 3)
+        except Exception as e:  # noqa: BLE001
+            row, t = {"case": name, "error": f"{type(e).__name__}: {e}"[:1500]}, None
+        rows.append(row)
+        print(f"[{elapsed():6.1f}s] gemm {row}", flush=True)
+        return t
+
+    wb = w.astype(jnp.bfloat16)
+    bf16 = record("bf16 x bf16 -> bf16 (ceiling)", jax.jit(lambda a, b: a @ b), (x, wb), 1)
+    xq, wq = quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32), E4M3), quantize(w, 448 / 0.2, E4M3)
+    dn = (((1,), (0,)), ((), ()))
+    record("e4m3 x e4m3 -> bf16, operands pre-quantized (FP8 ceiling)",
+           jax.jit(lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)), (xq, wq), 1, bf16)
+    record("e4m3 dequantized via f32 -> bf16 (XLA scale-fusion form)",
+           jax.jit(lambda a, b, s: jnp.dot(a.astype(jnp.float32) * s, b.astype(jnp.float32) * s,
+                                           preferred_element_type=jnp.bfloat16)), (xq, wq, jnp.float32(0.5)), 1, bf16)
+    aq, sa = fp8_blockwise.quantize_rows(x, E4M3)
+    bq, sb = fp8_blockwise.quantize_tiles(w, E4M3)
+    bq, sb = bq.T, fp8_blockwise.expand_cols(sb)  # [N, K]: K-major
+    for tiles in (GemmTiles(128, 128, 8, 3), GemmTiles(128, 128, 4, 4), GemmTiles(128, 256, 8, 3),
+                  GemmTiles(64, 128, 4, 4)):
+        interp = jax.default_backend() != "gpu"
+        record(f"blockwise pallas GEMM {tiles}", jax.jit(
+            lambda a, sa, b, sb, t=tiles: block_gemm_pallas(a, sa, b, sb, out_dtype=jnp.bfloat16, interpret=interp,
+                                                            tiles=t)), (aq, sa, bq, sb), 1, bf16)
+        if args.smoke:
+            break
+
+    def linear(policy):
+        def f(x, w, g):
+            meta = jnp.array([448 / 4.0, 448 / 0.2, 57344 / 1e-3], jnp.float32)  # delayed: plausible scales
+            fwd = (lambda a, b: a @ b.astype(a.dtype)) if policy is None else (
+                lambda a, b: quantized_matmul(policy, a, b, meta))
+            y, vjp = jax.vjp(fwd, x, w)
+            return (y, *vjp(g))
+        return jax.jit(f)
+
+    base3 = record("linear fwd+dgrad+wgrad: bf16", linear(None), (x, w, g), 3)
+    for name, policy in [("tensorwise", QuantPolicy(fp8_recipe="tensorwise")),
+                         ("delayed", QuantPolicy(fp8_recipe="delayed")),
+                         ("tensorwise e4m3", QuantPolicy(fp8_recipe="tensorwise", fp8_format="e4m3")),
+                         ("blockwise (pallas)", QuantPolicy(fp8_recipe="blockwise", impl="pallas")),
+                         ("blockwise (xla f32 reference)", QuantPolicy(fp8_recipe="blockwise", impl="xla")),
+                         ("nvfp4 emulated (pallas quant)", QuantPolicy(fp4_recipe="nvfp4", impl="pallas")),
+                         ("nvfp4 emulated (xla quant)", QuantPolicy(fp4_recipe="nvfp4", impl="xla")),
+                         ("mxfp4 emulated + RHT (pallas quant)",
+                          QuantPolicy(fp4_recipe="mxfp4", fp4_hadamard=True, impl="pallas"))]:
+        record(f"linear fwd+dgrad+wgrad: {name}", linear(policy), (x, w, g), 3, base3)
+        if elapsed() > args.gemm_deadline_s:
+            rows.append({"case": "remaining recipes skipped", "reason": f"past {args.gemm_deadline_s}s"})
+            break
+    out["rows"] = rows
+    return out
+
+
+# ---------------------------------------------------------------- end to end
+
+def e2e_section(args, results, save) -> dict:
+    if args.smoke:
+        cfg = load_config("tiny").replace(train=dict(global_batch_size=4, seq_length=128),
+                                          precision=dict(compute_dtype="bfloat16"))
+    else:
+        cfg = load_config("llama3.2-3b").replace(  # docs/performance.md's one-GPU bf16 row: 1.429 s, 22,938 tok/s
+            model=dict(remat_policy=args.e2e_remat),
+            train=dict(global_batch_size=args.e2e_batch, micro_batch_size=args.e2e_micro, seq_length=args.e2e_seq,
+                       train_iters=100))
+    cfg = cfg.replace(data=dict(mock_data=True), logging=dict(progress=False))
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
+    out = {"config": {"model": cfg.model.name, "global_batch": cfg.train.global_batch_size,
+                      "micro_batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_length,
+                      "remat": cfg.model.remat_policy}}
+    state = None
+    for name, precision in (("bf16", {}), ("fp8_tensorwise", dict(fp8_recipe="tensorwise"))):
+        if elapsed() > args.budget_s - 25:
+            out[name] = {"skipped": f"{elapsed():.0f}s of the {args.budget_s}s budget spent"}
+            break
+        try:
+            c = cfg.replace(precision=precision)
+            if state is not None:  # reuse the bf16 run's params and optimizer state; add the FP8 state
+                model = build(c, jax.devices()[:1]).model
+                state = state.replace(fp8=Fp8State.create(model.init_fp8(), c.precision.fp8_amax_history_len))
+            t = time.perf_counter()
+            setup, state, batch, compiled, compile_s = compile_step(c, state)
+            init_s = time.perf_counter() - t - compile_s
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            steps = 1 if args.smoke else args.e2e_steps
+            t = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = compiled(state, batch)
+            loss = float(metrics["loss"])
+            dt = (time.perf_counter() - t) / steps
+            hlo = compiled.as_text()
+            with gzip.open(os.path.join(os.path.dirname(args.out), f"e2e_{name}.hlo.txt.gz"), "wt") as f:
+                f.write(hlo)
+            out[name] = {"step_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1),
+                         "model_tflops": round(flops / dt / 1e12, 1), "mfu_989": round(flops / dt / 989e12, 4),
+                         "loss": loss, "compile_s": round(compile_s, 1), "init_s": round(init_s, 1),
+                         **kernel_census(hlo)}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        print(f"[{elapsed():6.1f}s] e2e {name}: {out[name]}", flush=True)
+        results["e2e"] = out
+        save()
+    if "tokens_per_s" in out.get("bf16", {}) and "tokens_per_s" in out.get("fp8_tensorwise", {}):
+        out["fp8_speedup"] = round(out["fp8_tensorwise"]["tokens_per_s"] / out["bf16"]["tokens_per_s"], 3)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_fp8.json"))
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--budget_s", type=float, default=225.0)
+    p.add_argument("--gemm_deadline_s", type=float, default=80.0)
+    p.add_argument("--e2e_batch", type=int, default=8)
+    p.add_argument("--e2e_micro", type=int, default=None)
+    p.add_argument("--e2e_remat", default="selective")
+    p.add_argument("--e2e_seq", type=int, default=4096)
+    p.add_argument("--e2e_steps", type=int, default=3)
+    args = p.parse_args()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    results = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+               "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+    def save():
+        results["elapsed_s"] = round(elapsed(), 1)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    sections = [
+        ("hlo", lambda: hlo_section(args, {"tensorwise": dict(fp8_recipe="tensorwise")})),
+        ("fp4_fold", fp4_fold_check),
+        ("gemm", lambda: gemm_section(args)),
+        ("e2e", lambda: e2e_section(args, results, save)),
+        ("hlo2", lambda: hlo_section(args, {"delayed": dict(fp8_recipe="delayed"),
+                                            "blockwise": dict(fp8_recipe="blockwise"),
+                                            "nvfp4": dict(fp4_recipe="nvfp4")})),
+    ]
+    for name, fn in sections:
+        if elapsed() > args.budget_s - 10:
+            results[name] = {"skipped": f"{elapsed():.0f}s of the {args.budget_s}s budget spent"}
+            continue
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        print(f"[{elapsed():6.1f}s] section {name} done", flush=True)
+        save()
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
