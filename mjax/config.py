@@ -86,7 +86,16 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = _field(1, "tp", "Tensor-parallel size.")
     pp: int = _field(1, "pp", "Pipeline-parallel size.")
-    vpp: int = _field(1, "vpp", "Virtual pipeline stages per device.")
+    vpp: int = _field(1, "vpp", "Virtual pipeline stages per device (needs --pipeline_schedule=interleaved).")
+    pipeline_schedule: str = _field(
+        "1f1b", "pipeline_schedule",
+        "gpipe | 1f1b | interleaved: all forwards then all backwards; one forward and one backward per tick "
+        "(activation memory bounded by --pp, not by micro-batches); --vpp virtual stages per device, visited "
+        "circularly.")
+    decoder_first_pipeline_num_layers: int | None = _field(
+        None, "decoder_first_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
+    decoder_last_pipeline_num_layers: int | None = _field(
+        None, "decoder_last_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
     ep: int = _field(1, "ep", "Expert-parallel size.")
     cp: int = _field(1, "cp", "Context-parallel size.")
     fsdp: int = _field(1, "fsdp", "Fully-sharded data-parallel size.")

@@ -6,6 +6,7 @@ from mjax.config import Config, ConfigError
 
 REMAT_NAMES = ("qkv_proj", "attn_context", "attn_out", "mlp_hidden", "mlp_out", "norm")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _choice(value, allowed, flag):
@@ -104,6 +105,36 @@ def validate_model(cfg: Config) -> None:
             f"{m.max_position_embeddings} of the learned position table")
 
 
+def validate_pipeline(cfg: Config, num_devices: int) -> None:
+    p, layers = cfg.parallel, cfg.model.num_layers
+    _choice(p.pipeline_schedule, PIPELINE_SCHEDULES, "pipeline_schedule")
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(p, name) is not None:
+            raise ConfigError(
+                f"--{name} (an uneven pipeline split) is not supported: all pipeline stages run one SPMD program, "
+                "so each holds --model.num_layers / (--pp x --vpp) layers; unset it")
+    if layers % (p.pp * p.vpp):
+        raise ConfigError(
+            f"--model.num_layers={layers} is not divisible by --pp={p.pp} x --vpp={p.vpp}: every (virtual) pipeline "
+            "stage holds the same number of layers and no layer is ever dropped; change one of them")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"--vpp={p.vpp} needs --pp > 1")
+    if p.vpp > 1 and p.pipeline_schedule != "interleaved":
+        raise ConfigError(f"--vpp={p.vpp} needs --pipeline_schedule=interleaved (got {p.pipeline_schedule})")
+    if p.pp > 1 and cfg.precision.fp8_recipe:
+        raise ConfigError(f"--fp8_recipe={cfg.precision.fp8_recipe} with --pp={p.pp} is not supported yet: the "
+                          "pipeline stages do not carry the FP8 scaling state; drop one of them")
+    if p.pp > 1 and p.pipeline_schedule == "interleaved" and p.vpp == 1:
+        raise ConfigError("--pipeline_schedule=interleaved needs --vpp >= 2 virtual stages per device; "
+                          "with --vpp=1 use gpipe or 1f1b")
+    shards, micro_size, micro = resolve_batch(cfg, num_devices)
+    if micro < p.pp:
+        raise ConfigError(
+            f"{micro} micro-batch(es) per step (--global_batch_size={cfg.train.global_batch_size} / (data-parallel "
+            f"size {shards} x --micro_batch_size={micro_size})) are fewer than the --pp={p.pp} pipeline stages, so "
+            f"stages would idle; lower --micro_batch_size or raise --global_batch_size to get at least {p.pp}")
+
+
 def validate_quantization(cfg: Config, num_devices: int) -> None:
     """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
     pr, m = cfg.precision, cfg.model
@@ -153,9 +184,6 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     validate_model(cfg)
     p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
     dp = resolve_data_parallel(cfg, num_devices)
-    if cfg.model.num_layers % (p.pp * p.vpp):
-        raise ConfigError(
-            f"--model.num_layers={cfg.model.num_layers} is not divisible by --pp={p.pp} x --vpp={p.vpp}")
     if p.sequence_parallel and t.seq_length % p.tp:
         raise ConfigError(f"--sequence_parallel: --seq_length={t.seq_length} is not divisible by --tp={p.tp}")
     if t.seq_length % p.cp:
@@ -163,7 +191,7 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
 
     _positive(t.train_iters, "train_iters")
     _positive(t.seq_length, "seq_length")
-    resolve_batch(cfg, num_devices)
+    validate_pipeline(cfg, num_devices)
     _choice(t.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     if t.z_loss_coeff < 0:
         raise ConfigError(f"--z_loss_coeff must be >= 0, got {t.z_loss_coeff}")

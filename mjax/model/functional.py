@@ -63,7 +63,8 @@ class ModelDef:
         return nnx.to_pure_dict(axes)
 
     def bind(self, params: dict, fp8: dict | None = None) -> CausalLM:
-        """The NNX module holding `params` (inside a trace this is free)."""
+        """The NNX module holding `params` (inside a trace this is free). `params` may leave out entries the caller
+        never touches, or hold a slice of the stacked `layers` (a pipeline stage binds only its own layers)."""
         graphdef, template = self._graph
         state = jax.tree.map(lambda x: x, template)
         nnx.replace_by_pure_dict(state, params)

@@ -27,6 +27,10 @@ class Block(nnx.Module):
         return constrain(x + self.mlp(h), RESIDUAL)
 
 
+def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
 def remat_policy(cfg):
     """None (no remat), or a jax.checkpoint policy: 'full' saves nothing, 'selective' saves the named tensors."""
     if cfg.remat_policy == "none":
@@ -69,18 +73,19 @@ class CausalLM(nnx.Module):
                                   std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, quant=head_quant,
                                   rngs=rngs)
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None):
-        """The final-norm output [B, T, D] in compute dtype."""
-        cfg = self.cfg
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    def embed_tokens(self, tokens, positions):
+        """Token (and learned position) embeddings [B, T, D] in compute dtype, laid out as the residual stream."""
         # Looked up with the sequence whole: a vocab-parallel table then costs a masked lookup and one reduction
         # of [B, T, D] instead of an all-gather of the table; sequence parallelism splits the result afterwards.
         x = constrain(self.embed(tokens), ("batch", "seq", "act_embed"))  # [B, T, D]
-        if cfg.position_embedding_type == "learned":
+        if self.cfg.position_embedding_type == "learned":
             x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
-        x = constrain(x, RESIDUAL)
+        return constrain(x, RESIDUAL)
 
+    def run_layers(self, x, positions, segment_ids):
+        """The stacked blocks over x [B, T, D]. A pipeline stage binds only its own slice of `layers`, so the
+        number of layers run is the leading dim of the stacked params, not cfg.num_layers."""
+        cfg = self.cfg
         graphdef, state = nnx.split(self.layers)
 
         def make_layer(quantized):
@@ -100,7 +105,7 @@ class CausalLM(nnx.Module):
             else:
                 for i in range(stop - start):
                     x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], seg))
-        return self.final_norm(x)
+        return x
 
     def _layer_segments(self, n: int) -> list[tuple[int, int, bool]]:
         """(start, stop, quantized) runs of layers: --first_last_layers_bf16 keeps the ends in compute dtype, each
@@ -110,6 +115,13 @@ class CausalLM(nnx.Module):
         first, last = self.quant.bf16_layers
         bounds = [(0, first, False), (first, n - last, True), (n - last, n, False)]
         return [b for b in bounds if b[1] > b[0]]
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None):
+        """The final-norm output [B, T, D] in compute dtype."""
+        if positions is None:
+            positions = default_positions(tokens)
+        x = self.embed_tokens(tokens, positions)
+        return self.final_norm(self.run_layers(x, positions, segment_ids))
 
     def logits(self, h):
         """[B, T, D] -> fp32 logits [B, T, padded vocab]."""

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 
 from mjax.kernels.cross_entropy import cross_entropy_reference
+from mjax.parallel import pipeline
 from mjax.train import fp8_state
 from mjax.train.state import TrainState
 
@@ -15,9 +16,14 @@ def token_losses(model, params, batch, z_loss_coeff: float, use_segments: bool, 
     when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
     fp8: the FP8 scales (TrainState.fp8.scales) when the model has FP8 layers."""
     segments = batch.get("segment_ids") if use_segments else None
-    extra = {"fp8": fp8} if fp8 else {}
-    logits = model.apply(params, batch["inputs"], batch.get("positions"), segments, **extra)
-    return cross_entropy_reference(logits, batch["targets"], vocab_size=model.cfg.vocab_size,
+    module = model.bind(params, fp8 or None)
+    return head_losses(module, module.hidden_states(batch["inputs"], batch.get("positions"), segments), batch,
+                       z_loss_coeff)
+
+
+def head_losses(module, h, batch, z_loss_coeff: float):
+    """Final hidden states [B, T, D] -> per-token loss [B, T] and log Z [B, T]."""
+    return cross_entropy_reference(module.logits(h), batch["targets"], vocab_size=module.cfg.vocab_size,
                                    z_loss_coeff=z_loss_coeff)
 
 
@@ -30,11 +36,16 @@ def make_train_step(model, cfg, tx, schedule):
     stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
     use_segments = cfg.data.reset_attention_mask
 
-    def micro_loss(params, fp8_scales, micro, denom, scale):
-        loss, log_z = token_losses(model, params, micro, z_coeff, use_segments, fp8_scales)
+    def sums(loss, log_z, micro):  # (loss sum, z sum) of a micro-batch's unmasked tokens
         mask = micro["loss_mask"]
-        total = jnp.sum(loss * mask)
-        return total * scale / denom, (total, jnp.sum(jnp.square(log_z) * mask))
+        return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
+
+    def head_sums(module, h, micro):  # the same from the final hidden states [B, T, D] (pipeline stages)
+        return sums(*head_losses(module, h, micro, z_coeff), micro)
+
+    def micro_loss(params, fp8_scales, micro, denom, scale):
+        total, z = sums(*token_losses(model, params, micro, z_coeff, use_segments, fp8_scales), micro)
+        return total * scale / denom, (total, z)
 
     def step(state: TrainState, batch):
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -49,10 +60,15 @@ def make_train_step(model, cfg, tx, schedule):
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.maximum, amaxes, a), loss_sum + l,
                     z_sum + z), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        init = (zeros, jax.tree.map(jnp.zeros_like, fp8_scales), jnp.zeros((), jnp.float32),
-                jnp.zeros((), jnp.float32))
-        (grads, amaxes, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
+        pipeline_metrics = {}
+        if cfg.parallel.pp > 1:  # the micro-batches stream through pipeline stages instead
+            grads, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"] = pipeline.loss_and_grads(
+                model, cfg.parallel, state.params, batch, head_sums, scale / denom, use_segments)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            init = (zeros, jax.tree.map(jnp.zeros_like, fp8_scales), jnp.zeros((), jnp.float32),
+                    jnp.zeros((), jnp.float32))
+            (grads, amaxes, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
@@ -83,7 +99,7 @@ def make_train_step(model, cfg, tx, schedule):
             fp8=new_fp8)
         metrics = {"loss": loss, "grad_norm": grad_norm, "z_loss": z_sum / denom, "num_tokens": denom,
                    "loss_scale": state.loss_scale.scale, "update_applied": apply,
-                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats}
+                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats, **pipeline_metrics}
         return new_state, metrics
 
     return step

@@ -1,0 +1,136 @@
+"""Pipeline parallelism on the `pipeline` mesh axis: the layer stack split into stages, micro-batches streamed
+through them by a `lax.scan` over ticks whose stage work is a `jax.shard_map` (manual over `pipeline` only, so
+TP/SP/FSDP/DP on the other axes still come from GSPMD), activations handed on with `ppermute`.
+
+Schedules (`--pipeline_schedule`), with M micro-batches per step and pp stages:
+  gpipe        every forward, then every backward (jax.grad of the forward scan). Activations of all M
+               micro-batches are kept. Bubble (pp - 1) / (M + pp - 1).
+  1f1b         after pp - 1 warm-up ticks, each tick runs one forward and one backward (pipeline_1f1b.py). A stage
+               keeps at most 2 pp - 1 stage inputs and recomputes its forward in the backward slot, so activation
+               memory is bounded by the number of stages, not micro-batches. Bubble (pp - 1) / (M + pp - 1).
+  interleaved  each device holds --vpp chunks of layers (Megatron's interleaved assignment) and micro-batches go
+               round the ring of devices vpp times, in GPipe order. Bubble (pp - 1) / (vpp M + pp - 1).
+
+Layer placement: the train state and checkpoints keep the stacked layers as [num_layers, ...], sharded in
+contiguous blocks over `pipeline`, so they restore onto any pp/vpp and the shard_maps take them as they are. With
+vpp = 1 each device's block is its stage. With vpp > 1, chunk c of device s is virtual stage v = c pp + s and holds
+layers [v Lv, (v + 1) Lv), Lv = num_layers / (pp vpp) (Megatron's assignment); a shard_map before the ticks moves
+the blocks there with one all_to_all of the layer weights per step (and one of their gradients), about the traffic
+of an FSDP gather, rather than storing a pp/vpp-dependent layer order.
+
+Every tick, the micro-batch entering stage 0 is embedded under GSPMD (see pipeline_stage.py for why not inside the
+shard_map). With gpipe and interleaved the output layer and loss run after the pipeline on the finished
+micro-batches, split over the pipeline devices; with 1f1b the last stage runs them inside the tick, since the
+backward of a micro-batch starts right after its forward.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from mjax.parallel import pipeline_1f1b
+from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, manual, micro_at, per_stage_zeros, run_layers,
+                                          shift)
+
+
+def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
+    """The share of each device's time a schedule leaves idle, with equal stages."""
+    if schedule == "interleaved":
+        return (pp - 1) / (vpp * num_micro + pp - 1)
+    return (pp - 1) / (num_micro + pp - 1)
+
+
+def interleave_tables(pp: int, vpp: int):
+    """Index tables moving stored chunks (contiguous blocks: device d holds chunks u = d vpp + j) to their
+    interleaved places (device s, chunk c holds u = c pp + s) with one all_to_all of `slots` chunks per peer:
+    send[d, s, i] = the local chunk device d puts in slot i for device s; take[s, c] = (source, slot) of chunk c."""
+    slots = -(-vpp // pp)
+    send, take, used = np.zeros((pp, pp, slots), np.int32), np.zeros((pp, vpp, 2), np.int32), np.zeros((pp, pp), int)
+    for u in range(pp * vpp):
+        (d, j), (c, s) = divmod(u, vpp), divmod(u, pp)
+        send[d, s, used[d, s]], take[s, c] = j, (d, used[d, s])
+        used[d, s] += 1
+    return send, take
+
+
+def my_chunks(local: dict, pp: int, vpp: int) -> dict:
+    """Inside shard_map: this device's block of the stacked layers [vpp Lv, ...] (the stored order, contiguous over
+    `pipeline`) -> the layers it runs, [vpp Lv, ...] holding chunk c = virtual stage c pp + s at [c Lv, (c + 1) Lv)."""
+    send, take = interleave_tables(pp, vpp)
+    me = jax.lax.axis_index(AXIS)
+
+    def one(a):
+        blocks = a.reshape(vpp, a.shape[0] // vpp, *a.shape[1:])  # [vpp, Lv, ...]
+        out = jnp.take(blocks, jnp.asarray(send)[me], axis=0)  # [pp, slots, Lv, ...]: what each peer gets
+        got = jax.lax.all_to_all(out, AXIS, 0, 0)  # [pp, slots, Lv, ...]: what each peer sent here
+        where = jnp.asarray(take)[me]  # [vpp, 2]
+        return got[where[:, 0], where[:, 1]].reshape(a.shape)  # [vpp, Lv, ...] -> [vpp Lv, ...]
+
+    return jax.tree.map(one, local)
+
+
+def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool):
+    """The pipelined counterpart of train/step.py's accumulation scan: the gradients of weight x the summed loss of
+    the micro-batches in `batch` (arrays [M, B, T]). token_loss(module, h, micro) -> (loss sum, z sum) of one
+    micro-batch from its final hidden states h [B, T, D]. Returns (grads, loss sum, z sum, measured bubble)."""
+    pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
+    layers, rest = params["layers"], {k: v for k, v in params.items() if k != "layers"}
+    if pcfg.pipeline_schedule == "1f1b":
+        grads, loss_sum, z_sum, busy = pipeline_1f1b.run(model, token_loss, use_segments, pp, layers, rest, batch,
+                                                          weight)
+        slots = pipeline_1f1b.num_slots(pp, num)
+    else:
+        def loss(layers, rest):
+            outputs, busy = _forward(model, use_segments, pp, vpp, layers, rest, batch)
+            value, (loss_sum, z_sum) = head_loss(model, token_loss, rest, outputs, batch, weight, pp)
+            return value, (loss_sum, z_sum, busy)
+
+        (d_layers, d_rest), (loss_sum, z_sum, busy) = jax.grad(loss, argnums=(0, 1), has_aux=True)(layers, rest)
+        grads = {**d_rest, "layers": d_layers}
+        slots = vpp * num + pp - 1  # ticks; the backward mirrors them
+    return grads, loss_sum, z_sum, 1.0 - busy / (slots * pp)
+
+
+def _forward(model, use_segments, pp, vpp, layers, rest, batch):
+    """Runs the M micro-batches through the pp x vpp virtual stages in GPipe order. Returns the last virtual stage's
+    outputs [M, B, T, D] and the number of (device, tick) slots that did useful work."""
+    num = batch["inputs"].shape[0]
+    if vpp > 1:
+        layers = manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS))(layers)
+    x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
+    carry = {"received": per_stage_zeros(pp, x), "outputs": per_stage_zeros(pp, x, num),  # [pp, (M,) B, T, D]
+             "busy": jnp.zeros((pp,), jnp.int32)}
+    if vpp > 1:  # device 0 keeps what the last device finished until its next round starts
+        carry["circulating"] = per_stage_zeros(pp, x, num)
+
+    def stage(layers, carry, first, t, batch):  # inside shard_map: this device's slices
+        s = jax.lax.axis_index(AXIS)
+        c = jax.tree.map(lambda a: a[0], carry)
+        chunks = jax.tree.map(lambda a: a.reshape(vpp, a.shape[0] // vpp, *a.shape[1:]), layers)  # [vpp, Lv, ...]
+        item = t - s  # this device runs round item // M of micro-batch item % M
+        valid = (item >= 0) & (item < vpp * num)
+        r, m = jnp.clip(item // num, 0, vpp - 1), jnp.mod(item, num)
+        if vpp > 1:
+            first = jnp.where(r == 0, first, c["circulating"][m])
+        x = jnp.where(s == 0, first, c["received"])
+        y = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments)
+        done = valid & (s == pp - 1) & (r == vpp - 1)
+        c["outputs"] = c["outputs"].at[m].set(jnp.where(done, y, c["outputs"][m]))
+        c["received"] = shift(y, pp, +1, circular=vpp > 1)
+        if vpp > 1:  # what device 0 just received is round (t - pp + 1) // M of micro-batch (t - pp + 1) % M
+            back = t - (pp - 1)
+            keep = (s == 0) & (back >= 0) & (back < (vpp - 1) * num)
+            mb = jnp.mod(back, num)
+            c["circulating"] = c["circulating"].at[mb].set(jnp.where(keep, c["received"], c["circulating"][mb]))
+        c["busy"] += valid.astype(jnp.int32)
+        return jax.tree.map(lambda a: a[None], c)
+
+    run_stage = manual(stage, (P(AXIS), P(AXIS), P(), P(), P()), P(AXIS))
+
+    def tick(carry, t):  # stage 0 starts round t // M of micro-batch t % M
+        first = embed(model, rest, micro_at(batch, jnp.mod(t, num)))  # [B, T, D]
+        return run_stage(layers, carry, first, t, batch), None
+
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(vpp * num + pp - 1))
+    return carry["outputs"][pp - 1], jnp.sum(carry["busy"])

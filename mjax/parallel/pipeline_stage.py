@@ -1,0 +1,118 @@
+"""Pieces shared by the pipeline schedules: the per-tick shard_map, what a stage does with one micro-batch, the
+activation hand-off between neighbouring stages, and the output layer run after a GPipe-order pipeline.
+
+The scan over ticks runs under GSPMD and only each tick's stage work is a shard_map, manual over `pipeline`. The
+embedding lookup stays outside it: XLA's SPMD partitioner aborts (spmd_partitioner_util.cc "Check failed:
+partition_group_list...") on a vocab-parallel gather inside a pipeline-manual shard_map for some shapes (e.g. vocab
+128, dp=2, tp=2, 128 tokens per micro-batch; jax 0.11.2 and 0.12). So every pipeline device embeds the micro-batch
+entering stage 0 (a cheap lookup), and the backward sums stage 0's input gradient over `pipeline`, one [B, T, D]
+reduction per tick.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from mjax.model.sharding import current_logical_sharding, logical_sharding
+from mjax.model.transformer import default_positions
+
+AXIS = "pipeline"
+
+
+def manual(body, in_specs, out_specs):
+    """`body` as a shard_map manual over `pipeline` only (TP/SP/FSDP/DP stay with GSPMD); the logical-axis
+    constraints inside it name the mesh whose `pipeline` axis is manual."""
+    context = current_logical_sharding()
+    if context is None:
+        raise ValueError("the pipeline needs a mesh: trace the train step inside mjax.model.logical_sharding")
+    mesh, rules = context
+
+    def in_body(*args):
+        with logical_sharding(jax.sharding.get_abstract_mesh(), rules):
+            return body(*args)
+
+    return jax.shard_map(in_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS})
+
+
+def micro_at(batch: dict, m) -> dict:
+    """Micro-batch `m` (a traced index) of batch arrays [M, B, T] -> [B, T]."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), batch)
+
+
+def positions(micro: dict):
+    return micro["positions"] if "positions" in micro else default_positions(micro["inputs"])
+
+
+def embed(model, rest: dict, micro: dict):
+    """Token ids [B, T] -> the first stage's input [B, T, D]. `rest` holds the params other than `layers`."""
+    return model.bind(rest).embed_tokens(micro["inputs"], positions(micro))
+
+
+def run_layers(model, layers: dict, x, micro: dict, use_segments: bool):
+    """A slice of the stacked layers (leading dim = its layer count) over x [B, T, D]."""
+    segments = micro.get("segment_ids") if use_segments else None
+    return model.bind({"layers": layers}).run_layers(x, positions(micro), segments)
+
+
+def head(model, token_loss, rest: dict, y, micro: dict):
+    """The last layer's output [B, T, D] -> (loss sum, z sum) of the micro-batch."""
+    module = model.bind(rest)
+    return token_loss(module, module.final_norm(y), micro)
+
+
+def varying(tree):
+    """Inside shard_map: marks values equal on every stage as per-stage ones before they mix with per-stage values,
+    so the gradients they receive stay per stage (summed once at the end) instead of being summed at every use."""
+    return jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), tree)
+
+
+def shift(x, pp: int, direction: int, circular: bool = False):
+    """Inside shard_map: sends x from stage s to stage s + direction (the last stage wraps round to the first when
+    `circular`); a stage nobody sends to receives zeros."""
+    pairs = [(s, s + direction) for s in range(pp) if 0 <= s + direction < pp]
+    if circular:
+        pairs.append((pp - 1, 0) if direction > 0 else (0, pp - 1))
+    return jax.lax.ppermute(x, AXIS, pairs)
+
+
+def per_stage_zeros(pp: int, like, *lead: int, dtype=None):
+    """Zeros [pp, *lead, *like.shape]: one slice per pipeline device (sharded over `pipeline` by the shard_maps)."""
+    return jnp.zeros((pp, *lead, *like.shape), dtype or like.dtype)
+
+
+def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
+    """(weight x loss sum, (loss sum, z sum)) of the finished micro-batches hs [M, B, T, D], under GSPMD.
+
+    The output layer runs once per micro-batch rather than at every tick, with the micro-batches split over the
+    pipeline devices (vmap with spmd_axis_name), each device handling ceil(M / pp). Its gradient is computed in the
+    forward pass and kept (custom_vjp), so the logits are neither stored for every micro-batch nor recomputed."""
+    num = hs.shape[0]
+    groups = -(-num // pp)
+
+    def grouped(x):  # [M, ...] -> [groups, pp, ...]; the zero padding has a zero loss mask
+        x = jnp.pad(x, [(0, groups * pp - num)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(groups, pp, *x.shape[1:])
+
+    micro = jax.tree.map(grouped, batch)
+    one = jax.value_and_grad(lambda r, y, b: head(model, token_loss, r, y, b), argnums=(0, 1), has_aux=True)
+    per_device = jax.vmap(one, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
+
+    def forward(rest, hs):
+        def group(acc, xs):
+            (total, z), (d_rest, d_h) = per_device(rest, *xs)  # d_rest: [pp, ...], one partial sum per device
+            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, d_rest), (total, z, d_h)
+
+        acc = jax.tree.map(lambda p: jnp.zeros((pp, *p.shape), jnp.float32), rest)
+        acc, (totals, zs, d_hs) = jax.lax.scan(group, acc, (grouped(hs), micro))
+        d_rest = jax.tree.map(lambda a: a.sum(0), acc)
+        d_hs = d_hs.reshape(groups * pp, *hs.shape[1:])[:num]  # [M, B, T, D]
+        loss_sum = jnp.sum(totals)
+        return (loss_sum * weight, (loss_sum, jnp.sum(zs))), (d_rest, d_hs)
+
+    def backward(res, cotangents):
+        d_rest, d_hs = res
+        g = cotangents[0] * weight
+        return (jax.tree.map(lambda d, p: (g * d).astype(p.dtype), d_rest, rest), (g * d_hs).astype(hs.dtype))
+
+    loss = jax.custom_vjp(lambda r, h: forward(r, h)[0])
+    loss.defvjp(forward, backward)
+    return loss(rest, hs)

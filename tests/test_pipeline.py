@@ -1,0 +1,173 @@
+"""Pipeline parallelism (8 CPU devices): every schedule and layout gives the single-device losses and gradients,
+checkpoints move between pp sizes, 1F1B's activation memory does not grow with micro-batches, bubbles, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from mjax.checkpoint import Checkpointer
+from mjax.config import ConfigError
+from mjax.model import logical_sharding
+from mjax.parallel import pipeline
+from mjax.parallel.rules import logical_rules
+from mjax.train.loop import build
+from mjax.train.step import make_train_step
+from tests.train_utils import pattern_batches, tiny_config
+
+SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
+STEPS = 3
+# Three times faster XLA:CPU compiles (LLVM work only; the same HLO, buffers and numerics) keep this file quick.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _config(parallel=None, micro=None, **sections):
+    return tiny_config(model=dict(num_layers=4), parallel=parallel or {}, optimizer=SGD,
+                       train=dict(micro_batch_size=micro), **sections)
+
+
+def _compiled_step(cfg, setup, state, batch):
+    with logical_sharding(setup.mesh, logical_rules(cfg)):
+        step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
+                       in_shardings=(setup.state_sharding, setup.batch_sharding),
+                       out_shardings=(setup.state_sharding, None))
+        return step.lower(state, batch).compile(FAST_COMPILE)
+
+
+def _train(cfg, devices=None, state=None, first=0, last=STEPS):
+    """Steps first+1..last of the train loop's step on the synthetic batches; (losses, state, setup). With pp > 1,
+    also checks the bubble the step measured (useful (device, slot) pairs counted at run time) against theory."""
+    setup = build(cfg, devices)
+    state = setup.init_state(cfg.train.seed) if state is None else state
+    data = pattern_batches(cfg)
+    batches = [setup.place_batch(next(data)) for _ in range(last)][first:]
+    step, losses = _compiled_step(cfg, setup, state, batches[0]), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    p = cfg.parallel
+    if p.pp > 1:
+        expected = pipeline.bubble_fraction(p.pipeline_schedule, p.pp, p.vpp, setup.micro_batches)
+        assert float(metrics["pipeline_bubble"]) == pytest.approx(expected, abs=1e-6)
+    return losses, state, setup
+
+
+def _assert_same(losses, params, ref_losses, ref_params):
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0],
+                            jax.tree.leaves(jax.device_get(ref_params))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    losses, state, _ = _train(_config(), jax.devices()[:1])
+    return losses, state.params
+
+
+@pytest.fixture(scope="module")
+def pp2_checkpoint(tmp_path_factory):
+    """pp=2 x dp=4 (GPipe) trained for two steps and saved with the train loop's Checkpointer."""
+    directory = str(tmp_path_factory.mktemp("pp2"))
+    cfg = _config(dict(pp=2, pipeline_schedule="gpipe"), micro=2, checkpoint=dict(save=directory))
+    losses, state, setup = _train(cfg, last=STEPS - 1)
+    ckpt = Checkpointer(cfg, setup)
+    ckpt.save(STEPS - 1, state, (STEPS - 1) * cfg.train.global_batch_size, wait=True)
+    ckpt.close()
+    return losses, state, directory
+
+
+LAYOUTS = {  # (parallel, micro-batch size): 2-4 micro-batches of the 16-sample global batch
+    "pp2_vpp2_dp2_tp2_interleaved": (dict(pp=2, vpp=2, tp=2, pipeline_schedule="interleaved"), 2),
+    "pp2_fsdp2_tp2_sp_1f1b": (dict(pp=2, fsdp=2, tp=2, sequence_parallel=True), 2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_device(layout, single_device):
+    parallel, micro = LAYOUTS[layout]
+    losses, state, _ = _train(_config(parallel, micro))
+    _assert_same(losses, state.params, *single_device)
+    q = state.params["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]: layers split over pipeline
+    split = [n // s for n, s in zip(q.shape, q.sharding.shard_shape(q.shape))]
+    assert split == [parallel["pp"], parallel.get("fsdp", 1), parallel["tp"], 1]
+
+
+def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_device, pp2_checkpoint):
+    ref_losses, ref_params = single_device
+    losses, _, directory = pp2_checkpoint
+    np.testing.assert_allclose(losses, ref_losses[:-1], rtol=2e-6)
+    cfg = _config(dict(pp=4, tp=2), micro=4, checkpoint=dict(load=directory))
+    state, _ = Checkpointer(cfg, build(cfg)).restore_or_init()
+    assert int(state.step) == STEPS - 1
+    last_loss, state, _ = _train(cfg, state=state, first=STEPS - 1)
+    _assert_same(losses + last_loss, state.params, ref_losses, ref_params)
+
+
+def test_pp2_checkpoint_restores_at_pp1(pp2_checkpoint):
+    _, saved, directory = pp2_checkpoint
+    cfg = _config(checkpoint=dict(load=directory))
+    state, _ = Checkpointer(cfg, build(cfg)).restore_or_init()
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved.params)):
+        assert a.shape == b.shape and "pipeline" not in jax.tree.leaves(a.sharding.spec)
+        np.testing.assert_array_equal(a, b)
+
+
+def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=64):
+    """XLA's temporary bytes per device of the compiled train step: pp stages of one layer each, dp=1."""
+    cfg = tiny_config(model=dict(num_layers=pp), parallel=dict(pp=pp, pipeline_schedule=schedule),
+                      train=dict(global_batch_size=num_micro * micro, micro_batch_size=micro, seq_length=seq))
+    setup = build(cfg, jax.devices()[:pp])
+    batch = {k: jax.ShapeDtypeStruct((num_micro, micro, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=setup.batch_sharding) for k in ("inputs", "targets", "loss_mask")}
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                         setup.state_sharding)
+    compiled = _compiled_step(cfg, setup, state, batch)
+    return compiled.memory_analysis().temp_size_in_bytes, micro * seq * cfg.model.hidden_size * 4
+
+
+def test_1f1b_activation_memory_grows_with_stages_not_micro_batches():
+    one_f, act = {}, None
+    for pp, num in ((2, 4), (2, 12), (4, 12)):
+        one_f[pp, num], act = _step_temp_bytes("1f1b", pp, num)
+    gpipe = {num: _step_temp_bytes("gpipe", 2, num)[0] for num in (4, 12)}
+    assert one_f[2, 4] == one_f[2, 12]  # three times the micro-batches, not a byte more
+    # The ring of stage inputs waiting for their backward holds 2 pp - 1 of them ([micro, seq, hidden] each): 3 -> 7
+    # (everything else per device is the same: one layer per stage).
+    assert 4 * act <= one_f[4, 12] - one_f[2, 12] <= 8 * act
+    # GPipe keeps every micro-batch's activations: far more than one stage input per extra micro-batch.
+    assert gpipe[12] - gpipe[4] > 8 * 10 * act
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 2), (2, 3), (4, 2), (4, 4), (2, 5)])
+def test_interleaved_chunks_hold_megatrons_layers(pp, vpp):
+    """Stored blocks (device d holds layers [d L/pp, (d+1) L/pp)) reach chunk c of device s = virtual stage c pp + s."""
+    layers_per_chunk, num_layers = 2, 2 * pp * vpp
+    mesh = Mesh(np.array(jax.devices()[:pp]), ("pipeline",))
+    run = jax.shard_map(lambda a: pipeline.my_chunks({"w": a}, pp, vpp)["w"], mesh=mesh, in_specs=P("pipeline"),
+                        out_specs=P("pipeline"))
+    chunks = np.asarray(jax.jit(run)(jnp.arange(num_layers))).reshape(pp, vpp, layers_per_chunk)
+    for s in range(pp):
+        for c in range(vpp):
+            v = c * pp + s
+            np.testing.assert_array_equal(chunks[s, c], np.arange(v * layers_per_chunk, (v + 1) * layers_per_chunk))
+
+
+@pytest.mark.parametrize("parallel, sections, message", [
+    (dict(pp=3), {}, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
+    (dict(pp=2, vpp=4, pipeline_schedule="interleaved"), {}, "not divisible by --pp=2 x --vpp=4"),
+    (dict(pp=2, decoder_last_pipeline_num_layers=1), {}, "decoder_last_pipeline_num_layers.*not supported"),
+    (dict(pp=2, vpp=2), {}, "--vpp=2 needs --pipeline_schedule=interleaved"),
+    (dict(pp=2, pipeline_schedule="interleaved"), {}, "interleaved needs --vpp >= 2"),
+    (dict(vpp=2, pipeline_schedule="interleaved"), {}, "--vpp=2 needs --pp > 1"),
+    (dict(pp=2, pipeline_schedule="zb"), {}, "--pipeline_schedule='zb' is not one of"),
+    (dict(pp=4), dict(train=dict(micro_batch_size=4)), "2 micro-batch.*fewer than the --pp=4 pipeline stages"),
+    (dict(pp=2), dict(precision=dict(fp8_recipe="tensorwise")), "--fp8_recipe=tensorwise with --pp=2"),
+])
+def test_pipeline_config_errors(parallel, sections, message):
+    devices = 6 if parallel.get("pp") == 3 else 8
+    cfg = tiny_config(model=dict(num_layers=4), parallel=parallel)
+    with pytest.raises(ConfigError, match=message):
+        cfg.replace(**sections).validate(devices)
