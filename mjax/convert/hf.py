@@ -179,6 +179,21 @@ def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:
     return {**base, **generated, "vocab_size": m.vocab_size, "torch_dtype": str(np.dtype(dtype))}
 
 
+def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
+    """Yields (layer, HF name, per-layer mjax arrays) of one rule. A stacked parameter is read in `slabs` slabs of
+    layers: tensorstore reads a whole stored chunk (here the whole stacked array) for any slice, so each slab read
+    costs one pass over it while host memory stays at the array plus one slab (not twice the array)."""
+    if not r.per_layer:
+        yield 0, r.hf, tuple(np.asarray(s.read().result()) for s in stores.values())
+        return
+    step = -(-layers // slabs)
+    for start in range(0, layers, step):
+        slab = [np.asarray(s[start:start + step].read().result()) for s in stores.values()]  # [k, ...] each
+        for j in range(slab[0].shape[0]):
+            yield start + j, r.hf, tuple(x[j] for x in slab)
+        del slab
+
+
 def _mjax_source(src: Path, step: int | None):
     """(Config, directory holding params/) of a converted checkpoint, or of a training checkpoint written by
     `scripts/train.py --save` (its latest step unless `step`)."""
@@ -227,10 +242,9 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
     output.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
     for r in rules:
-        stores = orbax_io.open_params(src, r.mjax)  # read lazily: one layer of one parameter group at a time
-        for i, name in enumerate(family.hf_names(r, dims.layers)):
-            parts = tuple(np.asarray((s[i] if r.per_layer else s).read().result()) for s in stores.values())
-            writer.write(name, np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(out_dtype(r), copy=False))
+        for i, name, parts in _read_layers(orbax_io.open_params(src, r.mjax), r, dims.layers):
+            writer.write(name.format(i=i), np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
+                out_dtype(r), copy=False))
     writer.close()
     first_dtype = plan[0][2]
     orbax_io.write_json(output / "config.json", hf_config_for(m, family, original, first_dtype))

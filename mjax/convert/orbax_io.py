@@ -19,6 +19,7 @@ Streaming uses Orbax's partial save (`orbax.checkpoint.experimental.v1.partial`)
 tensors to a staging checkpoint, `finalize` commits it, and the PyTree directory is moved to `<dir>/params`.
 """
 
+import contextlib
 import json
 import logging
 import shutil
@@ -90,9 +91,13 @@ def _streaming_context():
     from orbax.checkpoint.experimental import v1  # noqa: PLC0415
 
     opts = v1.options
-    saving = opts.ArrayOptions.Saving(use_compression=False, ocdbt_target_data_file_size=1 << 40)
-    return v1.Context(array_options=opts.ArrayOptions(saving=saving),
-                      memory_options=opts.MemoryOptions(deepcopy_host_arrays=False))
+    try:
+        saving = opts.ArrayOptions.Saving(use_compression=False, ocdbt_target_data_file_size=1 << 40)
+        return v1.Context(array_options=opts.ArrayOptions(saving=saving),
+                          memory_options=opts.MemoryOptions(deepcopy_host_arrays=False))
+    except (AttributeError, TypeError) as e:  # an older Orbax: correct, with more memory and time
+        log.warning("this Orbax lacks a streaming option (%s); conversion will use more host memory", e)
+        return contextlib.nullcontext()
 
 
 def _write_v0_metadata(target: Path):
