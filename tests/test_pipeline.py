@@ -1,6 +1,8 @@
 """Pipeline parallelism (8 CPU devices): every schedule and layout gives the single-device losses and gradients,
 checkpoints move between pp sizes, 1F1B's activation memory does not grow with micro-batches, bubbles, errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,9 +14,9 @@ from mjax.checkpoint import Checkpointer
 from mjax.config import ConfigError
 from mjax.model import logical_sharding
 from mjax.parallel import pipeline
-from mjax.parallel.rules import logical_rules
+from mjax.parallel.rules import batch_sharding, logical_rules
 from mjax.train.loop import build
-from mjax.train.step import make_train_step
+from mjax.train.step import make_eval_step, make_train_step
 from tests.train_utils import pattern_batches, tiny_config
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
@@ -106,17 +108,31 @@ def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_d
     _assert_same(losses + last_loss, state.params, ref_losses, ref_params)
 
 
-def test_pp2_checkpoint_restores_at_pp1(pp2_checkpoint):
+def _eval_sums(cfg, setup, params):
+    """The loop's eval step (through the pipeline when pp > 1) on one global batch."""
+    batch = next(pattern_batches(cfg))
+    sharding = batch_sharding(setup.mesh, ndim=2, leading=False)
+    with logical_sharding(setup.mesh, logical_rules(cfg)):
+        step = jax.jit(make_eval_step(setup.model, cfg))
+        return [float(x) for x in step(params, jax.device_put(batch, sharding))]
+
+
+def test_pp2_checkpoint_restores_at_pp1_with_the_same_eval_loss(pp2_checkpoint):
     _, saved, directory = pp2_checkpoint
     cfg = _config(checkpoint=dict(load=directory))
-    state, _ = Checkpointer(cfg, build(cfg)).restore_or_init()
+    setup = build(cfg)
+    state, _ = Checkpointer(cfg, setup).restore_or_init()
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved.params)):
         assert a.shape == b.shape and "pipeline" not in jax.tree.leaves(a.sharding.spec)
         np.testing.assert_array_equal(a, b)
+    pp2 = _config(dict(pp=2, pipeline_schedule="gpipe"), micro=2)
+    np.testing.assert_allclose(_eval_sums(pp2, build(pp2), saved.params), _eval_sums(cfg, setup, state.params),
+                               rtol=1e-6)
 
 
 def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=64):
-    """XLA's temporary bytes per device of the compiled train step: pp stages of one layer each, dp=1."""
+    """XLA's temporary bytes per device of the compiled train step (pp stages of one layer each, dp=1), and the
+    bytes of one stage input [micro, seq, hidden]. Also checks that no stacked layer weight is ever gathered."""
     cfg = tiny_config(model=dict(num_layers=pp), parallel=dict(pp=pp, pipeline_schedule=schedule),
                       train=dict(global_batch_size=num_micro * micro, micro_batch_size=micro, seq_length=seq))
     setup = build(cfg, jax.devices()[:pp])
@@ -125,6 +141,9 @@ def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=64):
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
                          setup.state_sharding)
     compiled = _compiled_step(cfg, setup, state, batch)
+    gathered = set(re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} all-gather", compiled.as_text()))
+    stacked = {",".join(map(str, a.shape)) for a in jax.tree.leaves(setup.abstract_state.params["layers"])}
+    assert not gathered & stacked, f"stacked layer weights gathered: {gathered & stacked}"
     return compiled.memory_analysis().temp_size_in_bytes, micro * seq * cfg.model.hidden_size * 4
 
 
@@ -134,8 +153,8 @@ def test_1f1b_activation_memory_grows_with_stages_not_micro_batches():
         one_f[pp, num], act = _step_temp_bytes("1f1b", pp, num)
     gpipe = {num: _step_temp_bytes("gpipe", 2, num)[0] for num in (4, 12)}
     assert one_f[2, 4] == one_f[2, 12]  # three times the micro-batches, not a byte more
-    # The ring of stage inputs waiting for their backward holds 2 pp - 1 of them ([micro, seq, hidden] each): 3 -> 7
-    # (everything else per device is the same: one layer per stage).
+    # The ring of stage inputs waiting for their backward holds 2 pp - 1 of them: 3 -> 7 (all else per device is the
+    # same: one layer per stage).
     assert 4 * act <= one_f[4, 12] - one_f[2, 12] <= 8 * act
     # GPipe keeps every micro-batch's activations: far more than one stage input per extra micro-batch.
     assert gpipe[12] - gpipe[4] > 8 * 10 * act

@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mjax.model.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b
-from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, manual, micro_at, per_stage_zeros, run_layers,
-                                          shift)
+from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, per_stage_zeros,
+                                          run_layers, shift)
+from mjax.parallel.rules import BATCH_AXES
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
@@ -90,6 +92,23 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
         grads = {**d_rest, "layers": d_layers}
         slots = vpp * num + pp - 1  # ticks; the backward mirrors them
     return grads, loss_sum, z_sum, 1.0 - busy / (slots * pp)
+
+
+def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):
+    """Forward only (evaluation) of batch arrays [B, T]: split into micro-batches, streamed through the stages in
+    GPipe order, so no device ever holds more than its own layers. Returns the token_loss pair summed over B."""
+    mesh = current_logical_sharding()[0]
+    shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    size = batch["inputs"].shape[0]
+    num = next((n for n in range(pcfg.pp, size + 1) if size % (n * shards) == 0), None)
+    if num is None:
+        raise ValueError(f"an evaluation batch of {size} cannot be split into >= {pcfg.pp} micro-batches for "
+                         f"{shards} data-parallel shards")
+    # [B, T] -> [M, B / M, T]: row i of micro-batch m is sample i M + m, so no sample changes device.
+    micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(size // num, num, *a.shape[1:]), 0, 1), batch)
+    layers, rest = params["layers"], {k: v for k, v in params.items() if k != "layers"}
+    outputs, _ = _forward(model, use_segments, pcfg.pp, pcfg.vpp, layers, rest, micro)
+    return head_sums(model, token_loss, rest, outputs, micro, pcfg.pp)
 
 
 def _forward(model, use_segments, pp, vpp, layers, rest, batch):

@@ -79,20 +79,29 @@ def per_stage_zeros(pp: int, like, *lead: int, dtype=None):
     return jnp.zeros((pp, *lead, *like.shape), dtype or like.dtype)
 
 
+def _grouped(x, pp: int):
+    """[M, ...] -> [ceil(M / pp), pp, ...], zero-padded (the padding has a zero loss mask)."""
+    groups = -(-x.shape[0] // pp)
+    x = jnp.pad(x, [(0, groups * pp - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(groups, pp, *x.shape[1:])
+
+
+def head_sums(model, token_loss, rest: dict, hs, batch: dict, pp: int):
+    """The summed token_loss pair of the finished micro-batches hs [M, B, T, D] (forward only, under GSPMD), the
+    micro-batches split over the pipeline devices as in head_loss."""
+    per_device = jax.vmap(lambda y, b: head(model, token_loss, rest, y, b), spmd_axis_name=AXIS)
+    firsts, seconds = jax.lax.map(lambda xs: per_device(*xs), (_grouped(hs, pp), jax.tree.map(
+        lambda a: _grouped(a, pp), batch)))
+    return jnp.sum(firsts), jnp.sum(seconds)
+
+
 def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
     """(weight x loss sum, (loss sum, z sum)) of the finished micro-batches hs [M, B, T, D], under GSPMD.
 
     The output layer runs once per micro-batch rather than at every tick, with the micro-batches split over the
     pipeline devices (vmap with spmd_axis_name), each device handling ceil(M / pp). Its gradient is computed in the
     forward pass and kept (custom_vjp), so the logits are neither stored for every micro-batch nor recomputed."""
-    num = hs.shape[0]
-    groups = -(-num // pp)
-
-    def grouped(x):  # [M, ...] -> [groups, pp, ...]; the zero padding has a zero loss mask
-        x = jnp.pad(x, [(0, groups * pp - num)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(groups, pp, *x.shape[1:])
-
-    micro = jax.tree.map(grouped, batch)
+    micro = jax.tree.map(lambda a: _grouped(a, pp), batch)
     one = jax.value_and_grad(lambda r, y, b: head(model, token_loss, r, y, b), argnums=(0, 1), has_aux=True)
     per_device = jax.vmap(one, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
 
@@ -102,9 +111,9 @@ def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
             return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, d_rest), (total, z, d_h)
 
         acc = jax.tree.map(lambda p: jnp.zeros((pp, *p.shape), jnp.float32), rest)
-        acc, (totals, zs, d_hs) = jax.lax.scan(group, acc, (grouped(hs), micro))
+        acc, (totals, zs, d_hs) = jax.lax.scan(group, acc, (_grouped(hs, pp), micro))
         d_rest = jax.tree.map(lambda a: a.sum(0), acc)
-        d_hs = d_hs.reshape(groups * pp, *hs.shape[1:])[:num]  # [M, B, T, D]
+        d_hs = d_hs.reshape(-1, *hs.shape[1:])[:hs.shape[0]]  # [M, B, T, D]
         loss_sum = jnp.sum(totals)
         return (loss_sum * weight, (loss_sum, jnp.sum(zs))), (d_rest, d_hs)
 

@@ -106,7 +106,13 @@ def make_train_step(model, cfg, tx, schedule):
 
 
 def make_eval_step(model, cfg):
+    def masked_sums(module, h, batch):  # (loss sum, token count) from the final hidden states [B, T, D]
+        loss, _ = head_losses(module, h, batch, 0.0)
+        return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
+
     def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
+        if cfg.parallel.pp > 1:  # through the stages, rather than gathering every layer onto every device
+            return pipeline.loss_sums(model, cfg.parallel, params, batch, masked_sums, cfg.data.reset_attention_mask)
         loss, _ = token_losses(model, params, batch, 0.0, cfg.data.reset_attention_mask, fp8)
         return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
 
