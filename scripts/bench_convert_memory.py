@@ -37,7 +37,8 @@ LLAMA3_8B = {
 
 
 def llama_tensors(c: dict) -> list[tuple[str, tuple]]:
-    d, f, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["hidden_size"] // c["num_attention_heads"]
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = d // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
     out = [("model.embed_tokens.weight", (v, d))]
     for i in range(c["num_hidden_layers"]):

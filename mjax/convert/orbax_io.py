@@ -182,8 +182,8 @@ def restore(directory, abstract_params: dict) -> dict:
     ocp = _ocp()
     meta = param_metadata(directory)
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    flat = {p: a if getattr(a, "sharding", None) is not None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single)
-            for p, a in flatten(abstract_params).items()}
+    flat = {p: a if getattr(a, "sharding", None) is not None else
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single) for p, a in flatten(abstract_params).items()}
     missing = sorted(set(flat) - set(meta))
     if missing:
         raise ConversionError(f"{directory}/{PARAMS} lacks parameter(s) {', '.join(missing)}")
