@@ -97,6 +97,15 @@ def test_layout_matches_single_device(layout, single_device):
     assert split == [parallel["pp"], parallel.get("fsdp", 1), parallel["tp"], 1]
 
 
+def test_bf16_compute_stays_close_to_the_fp32_single_device_run(single_device):
+    """bf16 activations cross the stages (and XLA:CPU once aborted on a bf16 psum of the gpipe/interleaved path)."""
+    cfg = _config(LAYOUTS["pp2_vpp2_dp2_tp2_interleaved"][0], 2, precision=dict(compute_dtype="bfloat16"))
+    losses, state, _ = _train(cfg)
+    np.testing.assert_allclose(losses, single_device[0], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(single_device[1]))):
+        np.testing.assert_allclose(a, b, atol=2e-3)
+
+
 def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_device, pp2_checkpoint):
     ref_losses, ref_params = single_device
     losses, _, directory = pp2_checkpoint

@@ -125,7 +125,7 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
 
     def stage(layers, carry, first, t, batch):  # inside shard_map: this device's slices
         s = jax.lax.axis_index(AXIS)
-        c = jax.tree.map(lambda a: a[0], carry)
+        c, first = jax.tree.map(lambda a: a[0], carry), first[0]
         chunks = jax.tree.map(lambda a: a.reshape(vpp, a.shape[0] // vpp, *a.shape[1:]), layers)  # [vpp, Lv, ...]
         item = t - s  # this device runs round item // M of micro-batch item % M
         valid = (item >= 0) & (item < vpp * num)
@@ -145,11 +145,14 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
         c["busy"] += valid.astype(jnp.int32)
         return jax.tree.map(lambda a: a[None], c)
 
-    run_stage = manual(stage, (P(AXIS), P(AXIS), P(), P(), P()), P(AXIS))
+    run_stage = manual(stage, (P(AXIS), P(AXIS), P(AXIS), P(), P()), P(AXIS))
 
     def tick(carry, t):  # stage 0 starts round t // M of micro-batch t % M
         first = embed(model, rest, micro_at(batch, jnp.mod(t, num)))  # [B, T, D]
-        return run_stage(layers, carry, first, t, batch), None
+        # Handed in as device 0's slice of a per-stage array rather than replicated: the gradient then reaches the
+        # embedding through GSPMD instead of a psum of the replicated input, whose bf16 form XLA:CPU's all-reduce
+        # promotion pass aborts on ("Invalid binary instruction opcode copy", jax 0.12).
+        return run_stage(layers, carry, per_stage_zeros(pp, x).at[0].set(first), t, batch), None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(vpp * num + pp - 1))
     return carry["outputs"][pp - 1], jnp.sum(carry["busy"])
