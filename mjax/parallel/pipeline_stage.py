@@ -5,8 +5,8 @@ The scan over ticks runs under GSPMD and only each tick's stage work is a shard_
 embedding lookup stays outside it: XLA's SPMD partitioner aborts (spmd_partitioner_util.cc "Check failed:
 partition_group_list...") on a vocab-parallel gather inside a pipeline-manual shard_map for some shapes (e.g. vocab
 128, dp=2, tp=2, 128 tokens per micro-batch; jax 0.11.2 and 0.12). So every pipeline device embeds the micro-batch
-entering stage 0 (a cheap lookup), and the backward sums stage 0's input gradient over `pipeline`, one [B, T, D]
-reduction per tick.
+entering stage 0 (a cheap lookup), and each backward tick moves stage 0's input gradient to the other pipeline
+devices (one [B, T, D] collective) for the lookup's gradient.
 """
 
 import jax
