@@ -21,7 +21,7 @@ from tests.train_utils import pattern_batches, tiny_config
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 STEPS = 3
-# Three times faster XLA:CPU compiles (LLVM work only; the same HLO, buffers and numerics) keep this file quick.
+# Three times faster XLA:CPU compiles (LLVM work only: the same HLO and buffer assignment) keep this file quick.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -38,9 +38,10 @@ def _compiled_step(cfg, setup, state, batch):
         return step.lower(state, batch).compile(FAST_COMPILE)
 
 
-def _train(cfg, devices=None, state=None, first=0, last=STEPS):
-    """Steps first+1..last of the train loop's step on the synthetic batches; (losses, state, setup). With pp > 1,
-    also checks the bubble the step measured (useful (device, slot) pairs counted at run time) against theory."""
+def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
+    """Steps first+1..last of the train loop's step on the synthetic batches; (losses, state, setup), and the params
+    after each step appended to `snapshots`. With pp > 1, also checks the bubble the step measured (useful (device,
+    slot) pairs counted at run time) against theory."""
     setup = build(cfg, devices)
     state = setup.init_state(cfg.train.seed) if state is None else state
     data = pattern_batches(cfg)
@@ -49,6 +50,8 @@ def _train(cfg, devices=None, state=None, first=0, last=STEPS):
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+        if snapshots is not None:
+            snapshots.append(jax.device_get(state.params))
     p = cfg.parallel
     if p.pp > 1:
         expected = pipeline.bubble_fraction(p.pipeline_schedule, p.pp, p.vpp, setup.micro_batches)
@@ -65,8 +68,10 @@ def _assert_same(losses, params, ref_losses, ref_params):
 
 @pytest.fixture(scope="module")
 def single_device():
-    losses, state, _ = _train(_config(), jax.devices()[:1])
-    return losses, state.params
+    """(losses, params after the last step, params after each step)."""
+    snapshots = []
+    losses, state, _ = _train(_config(), jax.devices()[:1], snapshots=snapshots)
+    return losses, state.params, snapshots
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +96,7 @@ LAYOUTS = {  # (parallel, micro-batch size): 2-4 micro-batches of the 16-sample 
 def test_layout_matches_single_device(layout, single_device):
     parallel, micro = LAYOUTS[layout]
     losses, state, _ = _train(_config(parallel, micro))
-    _assert_same(losses, state.params, *single_device)
+    _assert_same(losses, state.params, *single_device[:2])
     q = state.params["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]: layers split over pipeline
     split = [n // s for n, s in zip(q.shape, q.sharding.shard_shape(q.shape))]
     assert split == [parallel["pp"], parallel.get("fsdp", 1), parallel["tp"], 1]
@@ -107,9 +112,9 @@ def test_bf16_compute_stays_close_to_the_fp32_single_device_run(single_device):
 
 
 def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_device, pp2_checkpoint):
-    ref_losses, ref_params = single_device
-    losses, _, directory = pp2_checkpoint
-    np.testing.assert_allclose(losses, ref_losses[:-1], rtol=2e-6)
+    ref_losses, ref_params, ref_snapshots = single_device
+    losses, saved, directory = pp2_checkpoint
+    _assert_same(losses, saved.params, ref_losses[:-1], ref_snapshots[-2])
     cfg = _config(dict(pp=4, tp=2), micro=4, checkpoint=dict(load=directory))
     state, _ = Checkpointer(cfg, build(cfg)).restore_or_init()
     assert int(state.step) == STEPS - 1
