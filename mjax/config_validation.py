@@ -183,7 +183,7 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
 def validate(cfg: Config, num_devices: int = 1) -> None:
     validate_model(cfg)
     p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
-    dp = resolve_data_parallel(cfg, num_devices)
+    resolve_data_parallel(cfg, num_devices)
     if p.sequence_parallel and t.seq_length % p.tp:
         raise ConfigError(f"--sequence_parallel: --seq_length={t.seq_length} is not divisible by --tp={p.tp}")
     if t.seq_length % p.cp:

@@ -102,7 +102,7 @@ def main(argv):
     finally:
         if not FLAGS.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n| direction  | model size | time (s) | peak RSS | peak RSS / model size |")
+    print("\n| direction  | model size | time (s) | peak RSS | peak RSS / model size |")
     print("|------------|-----------:|---------:|---------:|----------------------:|")
     for name, seconds, rss in rows:
         print(f"| {name} | {size / 1e9:.2f} GB | {seconds:.0f} | {rss:.2f} GB | {rss * 1e9 / size:.2f} |")

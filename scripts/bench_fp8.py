@@ -38,13 +38,10 @@ from mjax.kernels import fp4, fp8_blockwise  # noqa: E402
 from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
 from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
-from mjax.model import logical_sharding  # noqa: E402
-from mjax.parallel.rules import logical_rules  # noqa: E402
 from mjax.train.benchmark import synthetic_batch  # noqa: E402
 from mjax.train.fp8_state import Fp8State  # noqa: E402
 from mjax.train.loop import build  # noqa: E402
 from mjax.train.metrics import flops_per_step  # noqa: E402
-from mjax.train.step import make_train_step  # noqa: E402
 
 F8_CALL = "__cublas$lt$matmul$f8"
 T0 = time.perf_counter()
@@ -101,13 +98,8 @@ def compile_step(cfg, state=None):
     setup = build(cfg, jax.devices()[:1])
     state = setup.init_state(0) if state is None else state
     batch = synthetic_batch(cfg, setup)
-    with logical_sharding(setup.mesh, logical_rules(cfg)):
-        step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
-                       in_shardings=(setup.state_sharding, setup.batch_sharding),
-                       out_shardings=(setup.state_sharding, None), donate_argnums=0)
-        t = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
-    return setup, state, batch, compiled, time.perf_counter() - t
+    compiled, compile_s = setup.compile_step(state, batch)
+    return setup, state, batch, compiled, compile_s
 
 
 def hlo_section(args, recipes) -> dict:

@@ -27,7 +27,7 @@ import numpy as np
 from mjax.kernels.attention import dot_product_attention, reference_attention
 from mjax.kernels.flash_attention import flash_attention
 from mjax.kernels.flash_backward import flash_backward
-from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes
+from mjax.kernels.flash_common import MaskSpec, default_block_sizes
 from mjax.kernels.flash_forward import flash_forward
 
 RESULTS = {"checks": [], "tuning": [], "table": []}

@@ -1,6 +1,5 @@
 """Multi-head attention with GQA/MQA, RoPE, optional QKV bias and sliding window; the kernel is chosen by dispatch."""
 
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 

@@ -7,11 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mjax.model import logical_sharding
-from mjax.parallel.rules import logical_rules
 from mjax.train.loop import build
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
-from mjax.train.step import make_train_step
 
 
 def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16, iters: int = 10) -> float:
@@ -58,13 +55,7 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
     setup = build(cfg, devices)
     state = setup.init_state(cfg.train.seed)
     batch = synthetic_batch(cfg, setup)
-    with logical_sharding(setup.mesh, logical_rules(cfg)):
-        step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
-                       in_shardings=(setup.state_sharding, setup.batch_sharding),
-                       out_shardings=(setup.state_sharding, None), donate_argnums=0)
-        t0 = time.perf_counter()
-        compiled = step.lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
+    compiled, compile_s = setup.compile_step(state, batch)
     if hlo_path:
         import gzip  # noqa: PLC0415
 

@@ -57,6 +57,17 @@ class Setup:
         with logical_sharding(self.mesh, logical_rules(self.cfg)):
             return jax.jit(create, out_shardings=self.state_sharding)(init_key)
 
+    def compile_step(self, state, batch):
+        """(the compiled train step with this setup's shardings, state donated; compile seconds). Traced under
+        the logical sharding rules, as everything of this setup must be."""
+        with logical_sharding(self.mesh, logical_rules(self.cfg)):
+            step = jax.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
+                           in_shardings=(self.state_sharding, self.batch_sharding),
+                           out_shardings=(self.state_sharding, None), donate_argnums=0)
+            t0 = time.perf_counter()
+            compiled = step.lower(state, batch).compile()
+        return compiled, time.perf_counter() - t0
+
     def place_batch(self, batch: dict) -> dict:
         """Process-local numpy [local batch, seq] -> global arrays [micro-batches, batch / micro-batches, seq]."""
         out = {}
@@ -153,14 +164,9 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
     rules = logical_rules(cfg)
 
     with logical_sharding(setup.mesh, rules):
-        step_fn = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
-                          in_shardings=(setup.state_sharding, setup.batch_sharding),
-                          out_shardings=(setup.state_sharding, None), donate_argnums=0)
         eval_fn = jax.jit(make_eval_step(setup.model, cfg))
         first = setup.place_batch(next(train_iter))
-        t0 = time.perf_counter()
-        compiled = step_fn.lower(state, first).compile()
-        compile_s = time.perf_counter() - t0
+        compiled, compile_s = setup.compile_step(state, first)
         log.info("compiled the train step in %.1fs", compile_s)
         _log_compiled_memory(compiled)
 
