@@ -55,6 +55,10 @@ class ModelConfig:
     sliding_window: int | None = _field(None, "window_size", "Sliding-window attention span (Mistral).")
     init_method_std: float = _field(0.02, "init_method_std")
     attention_impl: str = _field("auto", "attention_impl", "auto | xla | cudnn | pallas")
+    cross_entropy_impl: str = _field(
+        "reference", "cross_entropy_impl",
+        "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks; no whole logits)")
+    cross_entropy_chunk: int = _field(1024, "cross_entropy_chunk", "Sequence positions per chunk when fused.")
     remat_policy: str = _field("none", "remat_policy", "none | selective | full")
     remat_save_names: tuple[str, ...] = _field(
         ("qkv_proj", "attn_context", "attn_out", "mlp_out"),

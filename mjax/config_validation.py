@@ -68,6 +68,8 @@ def validate_model(cfg: Config) -> None:
     _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
     _choice(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
+    _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")
+    _positive(m.cross_entropy_chunk, "cross_entropy_chunk")
     _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
     for name in m.remat_save_names:
         _choice(name, REMAT_NAMES, "model.remat_save_names")
@@ -163,6 +165,9 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
     if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
         raise ConfigError("--fp8_recipe with --pp > 1 is not supported yet (the FP8 scaling state is not split over "
                           "pipeline stages); use --pp=1")
+    if pr.quantize_output_layer and m.cross_entropy_impl == "fused":
+        raise ConfigError("--quantize_output_layer needs --cross_entropy_impl=reference (the fused output layer "
+                          "computes in compute_dtype)")
     if pr.quantize_output_layer and not m.untie_embeddings_and_output_weights:
         raise ConfigError("--quantize_output_layer needs an untied LM head (--untie_embeddings_and_output_weights); "
                           "the tied output layer stays in compute_dtype")

@@ -117,3 +117,30 @@ def test_loss_scale_hysteresis_and_growth():
     for _ in range(3):
         s = s.update(jnp.array(True), P, True)
     assert float(s.scale) == 1024.0 and int(s.good_steps) == 0 and int(s.hysteresis_left) == 2
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_cross_entropy_gives_the_reference_loss_and_grads(tied):
+    model = dict(untie_embeddings_and_output_weights=not tied, vocab_size=100)  # 100 of 128 padded: masked
+    batch = next(pattern_batches(tiny_config(model=model)))
+    batch["loss_mask"][:, ::3] = 0.0
+    ref, m_ref = _one_step(tiny_config(model=model, train=dict(z_loss_coeff=1e-3)), batch)
+    got, m_got = _one_step(tiny_config(model=dict(cross_entropy_impl="fused", cross_entropy_chunk=12, **model),
+                                       train=dict(z_loss_coeff=1e-3)), batch)
+    np.testing.assert_allclose(m_got["loss"], m_ref["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_got["z_loss"], m_ref["z_loss"], rtol=1e-6)
+    _assert_trees_close(ref, got, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_cross_entropy_never_holds_the_whole_logits():
+    def temp_bytes(impl):
+        cfg = tiny_config(model=dict(vocab_size=8192, cross_entropy_impl=impl, cross_entropy_chunk=32),
+                          train=dict(global_batch_size=16, seq_length=256))
+        setup = build(cfg, jax.devices()[:1])
+        state = setup.init_state(0)
+        compiled, _ = setup.compile_step(state, setup.place_batch(next(pattern_batches(cfg))))
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 16 * 256 * 8192 * 4  # fp32 [batch, seq, vocab]
+    reference, fused = temp_bytes("reference"), temp_bytes("fused")
+    assert reference > logits_bytes and fused < reference - logits_bytes // 2, (reference, fused)

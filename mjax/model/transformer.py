@@ -123,6 +123,12 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens(tokens, positions)
         return self.final_norm(self.run_layers(x, positions, segment_ids))
 
+    def output_weight(self):
+        """(the output layer's weight, its vocab axis): the tied embedding [V, D] (0) or lm_head [D, V] (1)."""
+        if self.cfg.untie_embeddings_and_output_weights:
+            return self.lm_head.kernel[...], 1
+        return self.embed.embedding[...], 0
+
     def logits(self, h):
         """[B, T, D] -> fp32 logits [B, T, padded vocab]."""
         out = self.embed.attend(h) if not self.cfg.untie_embeddings_and_output_weights else self.lm_head(h)

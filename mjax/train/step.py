@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 
 from mjax.kernels.cross_entropy import cross_entropy_reference
+from mjax.kernels.fused_cross_entropy import fused_cross_entropy_sums
 from mjax.parallel import pipeline
 from mjax.train import fp8_state
 from mjax.train.state import TrainState
@@ -40,11 +41,18 @@ def make_train_step(model, cfg, tx, schedule):
         mask = micro["loss_mask"]
         return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
 
-    def head_sums(module, h, micro):  # the same from the final hidden states [B, T, D] (pipeline stages)
+    def head_sums(module, h, micro):  # (loss sum, z sum) from the final hidden states [B, T, D]
+        if cfg.model.cross_entropy_impl == "fused":
+            w, vocab_axis = module.output_weight()
+            return fused_cross_entropy_sums(h, w, micro["targets"], micro["loss_mask"], vocab_axis=vocab_axis,
+                                            vocab_size=cfg.model.vocab_size, z_loss_coeff=z_coeff,
+                                            chunk=cfg.model.cross_entropy_chunk, compute_dtype=module.dtype)
         return sums(*head_losses(module, h, micro, z_coeff), micro)
 
     def micro_loss(params, fp8_scales, micro, denom, scale):
-        total, z = sums(*token_losses(model, params, micro, z_coeff, use_segments, fp8_scales), micro)
+        module = model.bind(params, fp8_scales or None)
+        segments = micro.get("segment_ids") if use_segments else None
+        total, z = head_sums(module, module.hidden_states(micro["inputs"], micro.get("positions"), segments), micro)
         return total * scale / denom, (total, z)
 
     def step(state: TrainState, batch):
