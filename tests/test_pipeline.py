@@ -204,3 +204,10 @@ def test_pipeline_config_errors(parallel, sections, message):
     cfg = tiny_config(model=dict(num_layers=4), parallel=parallel)
     with pytest.raises(ConfigError, match=message):
         cfg.replace(**sections).validate(devices)
+
+
+def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_device):
+    """The chunked output layer + loss runs inside the 1f1b stage's shard_map (its scan carry varies over pipeline)."""
+    cfg = _config(dict(pp=2, fsdp=2, tp=2), 2).replace(model=dict(cross_entropy_impl="fused", cross_entropy_chunk=8))
+    losses, state, _ = _train(cfg)
+    _assert_same(losses, state.params, *single_device[:2])

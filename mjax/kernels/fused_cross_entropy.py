@@ -60,7 +60,10 @@ def _forward(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype)
         dw = dw + jnp.einsum(dw_eq, hb.astype(dtype), dlogits, preferred_element_type=jnp.float32)
         return dw, (jnp.sum(loss * mb), jnp.sum(jnp.square(lse) * mb), dh)
 
-    dw, (loss_sums, z_sums, dh) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32),
+    # A zero that varies over the same manual mesh axes as h and w (inside a pipeline stage's shard_map the scan
+    # carry must have the body's varying-axes type); `where` keeps it exactly 0 even if h or w hold NaN.
+    zero = jnp.where(True, 0.0, h.ravel()[0].astype(jnp.float32) + w.ravel()[0].astype(jnp.float32))
+    dw, (loss_sums, z_sums, dh) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32) + zero,
                                                (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
     dh = jnp.moveaxis(dh, 0, 1).reshape(b, t + pad, d)[:, :t]  # [B, T, D]
     return (jnp.sum(loss_sums), jnp.sum(z_sums)), (dh, dw.astype(w.dtype))
