@@ -27,6 +27,7 @@ flags.DEFINE_string("sweep", "", "Grid over config fields, e.g. 'remat_policy=no
 flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
 flags.DEFINE_integer("num_devices", None, "Use only the first N devices (default: all).")
 flags.DEFINE_string("hlo_dir", None, "Write each case's compiled HLO here (gzipped text).")
+flags.DEFINE_boolean("baseline", False, "Also time a plain-JAX Llama step on the same shapes (one device).")
 FLAGS = flags.FLAGS
 log = logging.getLogger("mjax")
 
@@ -76,7 +77,8 @@ def main(argv):
     setup_logging()
     import jax  # noqa: PLC0415
 
-    from mjax.train.benchmark import Result, format_table, matmul_ceiling_tflops, run_case  # noqa: PLC0415
+    from mjax.train.benchmark import (  # noqa: PLC0415
+        Result, format_table, matmul_ceiling_tflops, run_baseline, run_case)
 
     try:
         base = config_from_flags()
@@ -100,6 +102,9 @@ def main(argv):
             log.error("case %s failed: %s", name, str(e).splitlines()[0][:300])
             results.append(Result(name, *([float("nan")] * 3), None, float("nan"), float("nan"), float("nan"),
                                   float("nan"), error=str(e).splitlines()[0]))
+    if FLAGS.baseline:
+        log.info("case plain-JAX baseline")
+        results.append(run_baseline(base, FLAGS.steps, ceiling))
     print(format_table(results, ceiling))
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mjax.config import ConfigError, load_config
@@ -28,7 +29,7 @@ def test_sweep_grid_and_field_names():
 def test_benchmark_script_prints_a_table_and_json(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--config=tiny", "--model.num_layers=2",
-         "--steps=2", "--sweep=remat_policy=none,full", f"--json_out={tmp_path / 'b.json'}"],
+         "--steps=2", "--sweep=remat_policy=none,full", "--baseline", f"--json_out={tmp_path / 'b.json'}"],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True,
         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -37,6 +38,7 @@ def test_benchmark_script_prints_a_table_and_json(tmp_path):
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["devices"] == 8 and data["ceiling_tflops"] > 0
     rows = data["results"]
-    assert [r["name"] for r in rows] == ["remat_policy=none", "remat_policy=full"]
+    assert [r["name"] for r in rows] == ["remat_policy=none", "remat_policy=full", "plain-JAX baseline (1 device)"]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows)
     assert abs(rows[0]["loss"] - rows[1]["loss"]) < 1e-5  # remat changes memory, never the result
+    assert abs(rows[2]["loss"] - np.log(1024)) < 0.5  # random tokens over the tiny vocab, near initialisation

@@ -76,6 +76,33 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
                   tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss)
 
 
+def run_baseline(cfg, steps: int, ceiling: float) -> Result:
+    """The plain-JAX step of mjax.train.baseline on cfg's shapes, on one device, timed like run_case."""
+    from mjax.train import baseline  # noqa: PLC0415
+
+    m, t = cfg.model, cfg.train
+    params = baseline.init(m, jax.random.key(0))
+    tx, step = baseline.make_step(m)
+    opt_state = tx.init(params)
+    tokens = jax.random.randint(jax.random.key(1), (t.global_batch_size, t.seq_length + 1), 0, m.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, inputs, targets).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(2):
+        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, loss = compiled(params, opt_state, inputs, targets)
+    loss = float(loss)
+    dt = (time.perf_counter() - t0) / steps
+    tflops = flops_per_step(m, t.global_batch_size, t.seq_length) / dt / 1e12
+    peak = peak_tflops(override=cfg.logging.peak_tflops)
+    return Result("plain-JAX baseline (1 device)", dt, t.global_batch_size * t.seq_length / dt, tflops,
+                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss)
+
+
 def format_table(results, ceiling: float) -> str:
     head = (f"{'case':<40} {'step s':>8} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU(989)':>8} "
             f"{'of ceiling':>10} {'peak GiB':>9} {'compile s':>9}")
