@@ -72,13 +72,19 @@ def apply_case(cfg, case: dict):
     return cfg.replace(**overrides)
 
 
+def _failed(name, error):
+    from mjax.train.benchmark import Result  # noqa: PLC0415
+
+    nan = float("nan")
+    return Result(name, nan, nan, nan, None, nan, nan, nan, nan, error=str(error).splitlines()[0])
+
+
 def main(argv):
     del argv
     setup_logging()
     import jax  # noqa: PLC0415
 
-    from mjax.train.benchmark import (  # noqa: PLC0415
-        Result, format_table, matmul_ceiling_tflops, run_baseline, run_case)
+    from mjax.train.benchmark import format_table, matmul_ceiling_tflops, run_baseline, run_case  # noqa: PLC0415
 
     try:
         base = config_from_flags()
@@ -100,11 +106,14 @@ def main(argv):
             results.append(run_case(name, cfg, FLAGS.steps, ceiling, devices, hlo))
         except Exception as e:  # a case that does not fit (OOM, bad layout) is reported, the sweep goes on
             log.error("case %s failed: %s", name, str(e).splitlines()[0][:300])
-            results.append(Result(name, *([float("nan")] * 3), None, float("nan"), float("nan"), float("nan"),
-                                  float("nan"), error=str(e).splitlines()[0]))
+            results.append(_failed(name, e))
     if FLAGS.baseline:
         log.info("case plain-JAX baseline")
-        results.append(run_baseline(base, FLAGS.steps, ceiling))
+        try:
+            results.append(run_baseline(base, FLAGS.steps, ceiling))
+        except Exception as e:  # reported in the table like any case that does not fit
+            log.error("baseline failed: %s", str(e).splitlines()[0][:300])
+            results.append(_failed("plain-JAX baseline (1 device)", e))
     print(format_table(results, ceiling))
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
