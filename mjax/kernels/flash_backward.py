@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks,
-                                       segment_block_bounds)
+from mjax.kernels.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
+                                       query_block_segment_inputs, run_blocks, segment_block_bounds)
 
 
 def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
@@ -140,12 +140,9 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
                 pl.BlockSpec((None, None, bq), rowmap)]
     args = [q, k, v, do, lse2, delta]
     if spec.segments:
-        kv_lo, kv_hi, _, _ = segment_block_bounds(q_seg, kv_seg, bq, bk)
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)),
-                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i))]
-        args += [q_seg, kv_seg, kv_lo, kv_hi]
+        seg_specs, seg_args = query_block_segment_inputs(q_seg, kv_seg, bq, bk, sp, nq)
+        in_specs += seg_specs
+        args += seg_args
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, spec=spec, bq=bq, bk=bk, scale=scale, n_q_blocks=nq),
         grid=(nq, b, n),

@@ -243,3 +243,13 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 __all__ = ["BlockSizes", "MaskSpec", "default_block_sizes", "run_blocks", "dot", "compiler_params", "pl",
            "LOG2E", "LN2", "default_interpret"]
+
+
+def query_block_segment_inputs(q_seg, kv_seg, bq: int, bk: int, sp: int, nq: int):
+    """(BlockSpecs, arrays) of the segment inputs of a kernel gridded (query block, batch, head) with query blocks
+    visited last-first: this block's query ids, all key ids, and its span of visible key blocks."""
+    kv_lo, kv_hi, _, _ = segment_block_bounds(q_seg, kv_seg, bq, bk)
+    row = lambda i, bi, hi: (bi, nq - 1 - i)  # noqa: E731
+    specs = [pl.BlockSpec((None, bq), row), pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)),
+             pl.BlockSpec((None, None), row), pl.BlockSpec((None, None), row)]
+    return specs, [q_seg, kv_seg, kv_lo, kv_hi]

@@ -10,8 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl, run_blocks,
-                                       segment_block_bounds)
+from mjax.kernels.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
+                                       query_block_segment_inputs, run_blocks)
 
 
 def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
@@ -74,12 +74,9 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, blocks: BlockSizes,
                 pl.BlockSpec((None, sp, None, h), kvmap)]
     args = [q, k, v]
     if spec.segments:
-        kv_lo, kv_hi, _, _ = segment_block_bounds(q_seg, kv_seg, bq, bk)
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, sp), lambda i, bi, hi: (bi, 0)),
-                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i)),
-                     pl.BlockSpec((None, None), lambda i, bi, hi: (bi, nq - 1 - i))]
-        args += [q_seg, kv_seg, kv_lo, kv_hi]
+        seg_specs, seg_args = query_block_segment_inputs(q_seg, kv_seg, bq, bk, sp, nq)
+        in_specs += seg_specs
+        args += seg_args
     kernel = functools.partial(_forward_kernel, spec=spec, bq=bq, bk=bk, scale=scale, n_q_blocks=nq)
     return pl.pallas_call(
         kernel,
