@@ -41,12 +41,8 @@ def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s = dot(q, k, trans_b=True) * qk_scale  # [bq, bk]
-        mask = spec.position_mask(q_rows, start + jnp.arange(bk, dtype=jnp.int32)) if masked else None
-        if spec.segments:
-            seg = q_seg[:, None] == kseg_ref[pl.ds(start, bk)][None, :]
-            mask = seg if mask is None else mask & seg
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
+        s, _ = spec.apply(s, q_rows, start + jnp.arange(bk, dtype=jnp.int32), masked=masked, row_seg=q_seg,
+                          col_seg=kseg_ref[pl.ds(start, bk)] if spec.segments else None)
         p = jnp.exp2(s - lse[:, None])
         dp = dot(do, v, trans_b=True)  # [bq, bk]
         ds = p * (dp - delta[:, None])
@@ -82,12 +78,8 @@ def _dkv_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, groups: i
             delta = delta_ref[g, pl.ds(start, bq)]
             st = dot(k, q, trans_b=True) * qk_scale  # [bk, bq] = S^T
             q_rows = start + jnp.arange(bq, dtype=jnp.int32)
-            mask = spec.position_mask(q_rows, k_cols, transposed=True) if masked else None  # [bk, bq]
-            if spec.segments:
-                seg = k_seg[:, None] == qseg_ref[pl.ds(start, bq)][None, :]
-                mask = seg if mask is None else mask & seg
-            if mask is not None:
-                st = jnp.where(mask, st, -jnp.inf)
+            st, _ = spec.apply(st, q_rows, k_cols, masked=masked, row_seg=k_seg, transposed=True,
+                               col_seg=qseg_ref[pl.ds(start, bq)] if spec.segments else None)  # [bk, bq]
             pt = jnp.exp2(st - lse[None, :])  # [bk, bq]
             dv = dv + dot(pt.astype(do.dtype), do)
             dpt = dot(v, do, trans_b=True)  # [bk, bq]

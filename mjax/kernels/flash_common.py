@@ -95,6 +95,16 @@ class MaskSpec:
     q_len_padded: int
     segments: bool
 
+    def apply(self, s, q_rows, k_cols, *, masked: bool, row_seg=None, col_seg=None, transposed: bool = False):
+        """Scores `s` with the position mask (when `masked`) and the segment mask set to -inf; also whether any mask
+        applied. `row_seg`/`col_seg` are the segment ids along s's rows and columns (queries and keys, or keys and
+        queries when `transposed`)."""
+        mask = self.position_mask(q_rows, k_cols, transposed=transposed) if masked else None
+        if self.segments:
+            seg = row_seg[:, None] == col_seg[None, :]
+            mask = seg if mask is None else mask & seg
+        return (s, False) if mask is None else (jnp.where(mask, s, -jnp.inf), True)
+
     def position_mask(self, q_rows, k_cols, *, transposed: bool = False):
         """Bool [len(q_rows), len(k_cols)] (or its transpose) from absolute indices; None when nothing applies."""
         if transposed:

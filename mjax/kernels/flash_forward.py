@@ -33,14 +33,10 @@ def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_b
         k = k_ref[pl.ds(start, bk), :]  # [bk, H]
         v = v_ref[pl.ds(start, bk), :]
         s = dot(q, k, trans_b=True) * qk_scale  # [bq, bk], log2 domain
-        mask = spec.position_mask(q_rows, start + jnp.arange(bk, dtype=jnp.int32)) if masked else None
-        if spec.segments:
-            seg = q_seg[:, None] == kseg_ref[pl.ds(start, bk)][None, :]
-            mask = seg if mask is None else mask & seg
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
+        s, any_mask = spec.apply(s, q_rows, start + jnp.arange(bk, dtype=jnp.int32), masked=masked, row_seg=q_seg,
+                                 col_seg=kseg_ref[pl.ds(start, bk)] if spec.segments else None)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if mask is not None else m_new
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if any_mask else m_new
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
