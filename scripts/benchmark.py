@@ -3,7 +3,10 @@
   python scripts/benchmark.py --config=llama3.2-1b --steps=10 --sweep="remat_policy=selective,none;micro_batch_size=2,4"
 
 Each sweep dimension is `field=v1,v2` over Config fields (dotted, or the short flag names); dimensions are
-separated by `;` and combined as a grid. Every config flag of train.py also applies (the base of the sweep).
+separated by `;` and combined as a grid; a tuple field's value joins its items with `+`
+(`remat_save_names=qkv_proj+mlp_out`). The dimension `xla` sweeps XLA options for the step's compile:
+`xla=default,xla_gpu_enable_triton_gemm:false+xla_gpu_enable_command_buffer:` (`name:value` joined by `+`).
+Every config flag of train.py also applies (the base of the sweep).
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ flags.DEFINE_string("json_out", None, "Write the results here as JSON.")
 flags.DEFINE_integer("num_devices", None, "Use only the first N devices (default: all).")
 flags.DEFINE_string("hlo_dir", None, "Write each case's compiled HLO here (gzipped text).")
 flags.DEFINE_boolean("baseline", False, "Also time a plain-JAX Llama step on the same shapes (one device).")
+flags.DEFINE_integer("profile_steps", 0, "Trace this many more steps per case and print where device time went.")
 FLAGS = flags.FLAGS
 log = logging.getLogger("mjax")
 
@@ -57,19 +61,37 @@ def parse_sweep(text: str) -> list[dict]:
     return [dict(combo) for combo in itertools.product(*dims)] if dims else [{}]
 
 
+def xla_options(text: str) -> dict | None:
+    """'default' -> None; 'a:1+b:false' -> {'a': 1, 'b': False} (XLA debug options for one compile)."""
+    if text in ("", "default"):
+        return None
+    options = {}
+    for item in text.split("+"):
+        if ":" not in item:
+            raise ConfigError(f"--sweep: xla option {item!r} is not name:value")
+        name, value = item.split(":", 1)
+        lowered = value.lower()
+        options[name] = (True if lowered == "true" else False if lowered == "false"
+                         else int(value) if value.lstrip("-").isdigit() else value)
+    return options
+
+
 def apply_case(cfg, case: dict):
+    """(config with the case's field values, XLA options of the case or None)."""
     import typing  # noqa: PLC0415
 
     from mjax.config_flags import _parse  # noqa: PLC0415
 
     index, overrides = _field_index(), {}
+    case = dict(case)
+    options = xla_options(case.pop("xla", ""))
     for name, text in case.items():
         if name not in index:
             raise ConfigError(f"--sweep: unknown config field {name!r}")
         section, field = index[name]
         typ = typing.get_type_hints(type(getattr(cfg, section)))[field]
         overrides.setdefault(section, {})[field] = _parse(text, typ, name)
-    return cfg.replace(**overrides)
+    return cfg.replace(**overrides), options
 
 
 def _failed(name, error):
@@ -88,7 +110,7 @@ def main(argv):
 
     try:
         base = config_from_flags()
-        cases = [(", ".join(f"{k}={v}" for k, v in c.items()) or "base", apply_case(base, c))
+        cases = [(", ".join(f"{k}={v}" for k, v in c.items()) or "base", *apply_case(base, c))
                  for c in parse_sweep(FLAGS.sweep)]
     except ConfigError as e:
         log.error("configuration error: %s", e)
@@ -96,14 +118,16 @@ def main(argv):
     devices = jax.devices()[: FLAGS.num_devices] if FLAGS.num_devices else jax.devices()
     ceiling = matmul_ceiling_tflops()
     results = []
-    for name, cfg in cases:
+    for name, cfg, options in cases:
         log.info("case %s", name)
         try:
             hlo = None
             if FLAGS.hlo_dir:
                 safe = "".join(c if c.isalnum() else "_" for c in name)
                 hlo = f"{FLAGS.hlo_dir}/{cfg.model.name}_{len(devices)}dev_{safe}.hlo.txt.gz"
-            results.append(run_case(name, cfg, FLAGS.steps, ceiling, devices, hlo))
+            results.append(run_case(name, cfg, FLAGS.steps, ceiling, devices, hlo, options, FLAGS.profile_steps))
+            if results[-1].profile is not None:
+                print(f"profile of case {name}:\n{results[-1].profile.format()}", flush=True)
         except Exception as e:  # a case that does not fit (OOM, bad layout) is reported, the sweep goes on
             log.error("case %s failed: %s", name, str(e).splitlines()[0][:300])
             results.append(_failed(name, e))

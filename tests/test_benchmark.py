@@ -20,10 +20,20 @@ def test_sweep_grid_and_field_names():
     cases = benchmark.parse_sweep("remat_policy=none,full; tp=1,2")
     assert cases == [{"remat_policy": "none", "tp": "1"}, {"remat_policy": "none", "tp": "2"},
                      {"remat_policy": "full", "tp": "1"}, {"remat_policy": "full", "tp": "2"}]
-    cfg = benchmark.apply_case(load_config("tiny"), {"model.num_layers": "3", "micro_batch_size": "2"})
-    assert cfg.model.num_layers == 3 and cfg.train.micro_batch_size == 2
+    cfg, options = benchmark.apply_case(load_config("tiny"), {"model.num_layers": "3", "micro_batch_size": "2"})
+    assert cfg.model.num_layers == 3 and cfg.train.micro_batch_size == 2 and options is None
     with pytest.raises(ConfigError, match="unknown config field 'bogus'"):
         benchmark.apply_case(load_config("tiny"), {"bogus": "1"})
+
+
+def test_sweep_tuple_fields_and_xla_options():
+    cfg, options = benchmark.apply_case(load_config("tiny"), {
+        "remat_save_names": "mlp_gate+mlp_up", "xla": "xla_gpu_enable_triton_gemm:false+xla_dump_max_hlo_modules:3"})
+    assert cfg.model.remat_save_names == ("mlp_gate", "mlp_up")
+    assert options == {"xla_gpu_enable_triton_gemm": False, "xla_dump_max_hlo_modules": 3}
+    assert benchmark.apply_case(load_config("tiny"), {"xla": "default"})[1] is None
+    with pytest.raises(ConfigError, match="not name:value"):
+        benchmark.apply_case(load_config("tiny"), {"xla": "xla_gpu_enable_triton_gemm"})
 
 
 def test_benchmark_script_prints_a_table_and_json(tmp_path):

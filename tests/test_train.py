@@ -78,6 +78,8 @@ def test_remat_policies_save_what_they_name():
     assert _saved_per_layer("full") == [(3, 2, 32, 64)]  # only each layer's input
     assert sorted(_saved_per_layer("selective")) == [(3, 2, 32, 64)] * 2  # + attn_out
     assert (3, 2, 32, 4, 16) in _saved_per_layer("selective", ("attn_context",))
+    ffn = tiny_config().model.ffn_hidden_size  # the SwiGLU gate and up projections, saved by name
+    assert sorted(_saved_per_layer("selective", ("mlp_gate", "mlp_up"))) == [(3, 2, 32, 64)] + [(3, 2, 32, ffn)] * 2
     assert len(_saved_per_layer("none")) > 10
 
 

@@ -20,9 +20,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear((f,), (d,), in_axes=("mlp",), out_axes=("embed",), std=output_std(cfg), **common)
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
-        up = self.up_proj(x)  # [B, T, F]
+        up = checkpoint_name(self.up_proj(x), "mlp_up")  # [B, T, F]
         if self.gated:
-            h = jax.nn.silu(self.gate_proj(x)) * up
+            h = jax.nn.silu(checkpoint_name(self.gate_proj(x), "mlp_gate")) * up
         else:
             h = jax.nn.gelu(up, approximate=True)
         h = checkpoint_name(constrain(h, ("batch", "seq", "mlp")), "mlp_hidden")

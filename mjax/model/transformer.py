@@ -21,10 +21,15 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids):  # x: [B, T, D]
-        h = checkpoint_name(self.attn_norm(x), "norm")
-        x = constrain(x + self.attn(h, positions, segment_ids), RESIDUAL)
-        h = checkpoint_name(self.mlp_norm(x), "norm")
-        return constrain(x + self.mlp(h), RESIDUAL)
+        # The named scopes label the compiled ops (and so the profile, mjax/train/profile.py) by model part.
+        with jax.named_scope("norm"):
+            h = checkpoint_name(self.attn_norm(x), "norm")
+        with jax.named_scope("attention"):
+            x = constrain(x + self.attn(h, positions, segment_ids), RESIDUAL)
+        with jax.named_scope("norm"):
+            h = checkpoint_name(self.mlp_norm(x), "norm")
+        with jax.named_scope("mlp"):
+            return constrain(x + self.mlp(h), RESIDUAL)
 
 
 def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
@@ -77,10 +82,11 @@ class CausalLM(nnx.Module):
         """Token (and learned position) embeddings [B, T, D] in compute dtype, laid out as the residual stream."""
         # Looked up with the sequence whole: a vocab-parallel table then costs a masked lookup and one reduction
         # of [B, T, D] instead of an all-gather of the table; sequence parallelism splits the result afterwards.
-        x = constrain(self.embed(tokens), ("batch", "seq", "act_embed"))  # [B, T, D]
-        if self.cfg.position_embedding_type == "learned":
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
-        return constrain(x, RESIDUAL)
+        with jax.named_scope("embedding"):
+            x = constrain(self.embed(tokens), ("batch", "seq", "act_embed"))  # [B, T, D]
+            if self.cfg.position_embedding_type == "learned":
+                x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
+            return constrain(x, RESIDUAL)
 
     def run_layers(self, x, positions, segment_ids):
         """The stacked blocks over x [B, T, D]. A pipeline stage binds only its own slice of `layers`, so the

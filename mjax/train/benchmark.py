@@ -46,16 +46,29 @@ class Result:
     peak_memory_gib: float
     compile_s: float
     loss: float
+    compiled_gib: float = float("nan")  # XLA's own estimate for this step: arguments + outputs + temporaries
     error: str | None = None
+    profile: object = None  # mjax.train.profile.Profile when asked for
 
 
-def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=None) -> Result:
+def compiled_memory_gib(compiled) -> float:
+    m = compiled.memory_analysis()
+    if m is None:
+        return float("nan")
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return total / 2**30
+
+
+def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=None, compiler_options=None,
+             profile_steps: int = 0) -> Result:
     """Compiles the step, runs 2 warm-up steps, then times `steps` steps (blocking once at the end).
-    `hlo_path` receives the compiled (scheduled) HLO, gzipped, to see which collectives overlap compute."""
+    `hlo_path` receives the compiled (scheduled) HLO, gzipped, to see which collectives overlap compute;
+    `compiler_options` are XLA options for this case's compile; `profile_steps` > 0 traces that many more steps
+    and attaches where their device time went (mjax.train.profile)."""
     setup = build(cfg, devices)
     state = setup.init_state(cfg.train.seed)
     batch = synthetic_batch(cfg, setup)
-    compiled, compile_s = setup.compile_step(state, batch)
+    compiled, compile_s = setup.compile_step(state, batch, compiler_options)
     if hlo_path:
         import gzip  # noqa: PLC0415
 
@@ -69,11 +82,23 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
         state, metrics = compiled(state, batch)
     loss = float(metrics["loss"])  # blocks
     dt = (time.perf_counter() - t0) / steps
+    profile = None
+    if profile_steps:
+        from mjax.train.profile import profile_step  # noqa: PLC0415
+
+        box = [state]
+
+        def one_step():
+            box[0], m = compiled(box[0], batch)
+            jax.block_until_ready(m)
+
+        profile = profile_step(one_step, profile_steps, compiled.as_text())
     n = setup.mesh.size
     tflops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length) / dt / n / 1e12
     peak = peak_tflops(override=cfg.logging.peak_tflops)
     return Result(name, dt, cfg.train.global_batch_size * cfg.train.seq_length / dt, tflops,
-                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss)
+                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss,
+                  compiled_memory_gib(compiled), profile=profile)
 
 
 def run_baseline(cfg, steps: int, ceiling: float) -> Result:
@@ -100,18 +125,20 @@ def run_baseline(cfg, steps: int, ceiling: float) -> Result:
     tflops = flops_per_step(m, t.global_batch_size, t.seq_length) / dt / 1e12
     peak = peak_tflops(override=cfg.logging.peak_tflops)
     return Result("plain-JAX baseline (1 device)", dt, t.global_batch_size * t.seq_length / dt, tflops,
-                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss)
+                  tflops / peak if peak else None, tflops / ceiling, peak_memory_bytes() / 2**30, compile_s, loss,
+                  compiled_memory_gib(compiled))
 
 
 def format_table(results, ceiling: float) -> str:
     head = (f"{'case':<40} {'step s':>8} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU(989)':>8} "
-            f"{'of ceiling':>10} {'peak GiB':>9} {'compile s':>9}")
-    lines = [f"bf16 matmul ceiling measured in this run: {ceiling:.1f} TFLOP/s per device", head, "-" * len(head)]
+            f"{'of ceiling':>10} {'step GiB':>9} {'compile s':>9}")
+    lines = [f"bf16 matmul ceiling measured in this run: {ceiling:.1f} TFLOP/s per device; step GiB: XLA's estimate "
+             "of the compiled step's memory (arguments + outputs + temporaries)", head, "-" * len(head)]
     for r in results:
         if r.error:
             lines.append(f"{r.name:<40} failed: {r.error[:90]}")
             continue
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
         lines.append(f"{r.name:<40} {r.step_time_s:>8.4f} {r.tokens_per_s:>11,.0f} {r.tflops_per_device:>11.1f} "
-                     f"{mfu:>8} {r.mfu_vs_ceiling:>10.1%} {r.peak_memory_gib:>9.2f} {r.compile_s:>9.1f}")
+                     f"{mfu:>8} {r.mfu_vs_ceiling:>10.1%} {r.compiled_gib:>9.2f} {r.compile_s:>9.1f}")
     return "\n".join(lines)

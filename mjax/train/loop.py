@@ -57,15 +57,16 @@ class Setup:
         with logical_sharding(self.mesh, logical_rules(self.cfg)):
             return jax.jit(create, out_shardings=self.state_sharding)(init_key)
 
-    def compile_step(self, state, batch):
+    def compile_step(self, state, batch, compiler_options=None):
         """(the compiled train step with this setup's shardings, state donated; compile seconds). Traced under
-        the logical sharding rules, as everything of this setup must be."""
+        the logical sharding rules, as everything of this setup must be. `compiler_options`: XLA debug options
+        for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would set them."""
         with logical_sharding(self.mesh, logical_rules(self.cfg)):
             step = jax.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
                            in_shardings=(self.state_sharding, self.batch_sharding),
                            out_shardings=(self.state_sharding, None), donate_argnums=0)
             t0 = time.perf_counter()
-            compiled = step.lower(state, batch).compile()
+            compiled = step.lower(state, batch).compile(compiler_options)
         return compiled, time.perf_counter() - t0
 
     def place_batch(self, batch: dict) -> dict:

@@ -41,6 +41,7 @@ def make_train_step(model, cfg, tx, schedule):
         mask = micro["loss_mask"]
         return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
 
+    @jax.named_scope("loss")
     def head_sums(module, h, micro):  # (loss sum, z sum) from the final hidden states [B, T, D]
         if cfg.model.cross_entropy_impl == "fused":
             w, vocab_axis = module.output_weight()
@@ -54,6 +55,16 @@ def make_train_step(model, cfg, tx, schedule):
         segments = micro.get("segment_ids") if use_segments else None
         total, z = head_sums(module, module.hidden_states(micro["inputs"], micro.get("positions"), segments), micro)
         return total * scale / denom, (total, z)
+
+    @jax.named_scope("optimizer")
+    def optimizer_update(state, grads):  # (global grad norm, new params, new optimizer state)
+        grad_norm = optax.tree.norm(grads)
+        if clip > 0:
+            factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor, grads)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        return grad_norm, optax.apply_updates(state.params, updates), new_opt
 
     def step(state: TrainState, batch):
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
@@ -80,22 +91,20 @@ def make_train_step(model, cfg, tx, schedule):
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
-        grad_norm = optax.tree.norm(grads)
+        grad_norm, new_params, new_opt = optimizer_update(state, grads)
         loss_finite = jnp.isfinite(loss)
         finite = loss_finite & jnp.isfinite(grad_norm)
-        if clip > 0:
-            factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * factor, grads)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
 
         # An fp16 overflow with dynamic scaling is routine (skip and shrink the scale); any other NaN/Inf is recorded,
         # and with on_nonfinite=stop no update is applied from then on (the loop raises at its next check).
         bad = ~loss_finite if dynamic_scale else ~finite
         first_bad = jnp.where((state.first_nonfinite_step < 0) & bad, state.step, state.first_nonfinite_step)
         apply = finite & ~(stop_on_nonfinite & (first_bad >= 0))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa: E731
+
+        @jax.named_scope("optimizer")
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+
         new_fp8, fp8_stats = state.fp8, {}
         if state.fp8 is not None:  # a skipped step's amaxes are not trusted: the FP8 state is kept like the params
             new_fp8, fp8_stats = fp8_state.update(state.fp8, amaxes, precision)

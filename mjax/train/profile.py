@@ -1,0 +1,129 @@
+"""Where a compiled step spends device time: a jax.profiler trace read back and summed per kernel and category.
+
+Each device event that XLA tags with its HLO instruction (`hlo_op`) is counted; the instruction's `op_name`
+metadata in the compiled HLO says which part of the model launched it (attention, MLP, loss, optimizer...).
+On GPU the events are the kernels on the device's streams; on CPU they are the executed HLO thunks.
+"""
+
+import collections
+import dataclasses
+import glob
+import re
+import tempfile
+
+import jax
+from jax.profiler import ProfileData
+
+# Kernel name -> kind of work (GPU kernel names of cuBLAS/cuDNN/NCCL/XLA; first match wins).
+_KERNEL_KINDS = (
+    ("collective", re.compile(r"nccl|all_reduce|all-reduce|allgather|reduce_scatter|collective", re.I)),
+    ("attention", re.compile(r"cudnn|fmha|flash|sdpa|attention", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|dot|matmul", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+# op_name scope -> part of the model (first match wins).
+_SCOPES = tuple((scope, re.compile(rf"\b{scope}\b")) for scope in
+                ("optimizer", "loss", "embedding", "attention", "mlp", "norm"))  # mjax's jax.named_scope labels
+
+
+# Host-side control flow whose events enclose the ops they run (counting both would count twice).
+_CONTAINER = re.compile(r"(while|call|conditional)(\.\d+)?$")
+
+
+@dataclasses.dataclass
+class Profile:
+    steps: int
+    wall_ms_per_step: float
+    busy_ms_per_step: float  # device time covered by at least one counted event, per step
+    by_kind: dict  # kind -> ms per step
+    by_scope: dict  # model part -> ms per step
+    top_kernels: list  # [(kernel name, kind, scope, ms per step, launches per step)]
+
+    def format(self) -> str:
+        lines = [f"per step: wall {self.wall_ms_per_step:.1f} ms, device busy {self.busy_ms_per_step:.1f} ms "
+                 f"({self.busy_ms_per_step / self.wall_ms_per_step:.0%})"]
+        for title, table in (("kind", self.by_kind), ("model part", self.by_scope)):
+            lines.append(f"  by {title}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in _desc(table)))
+        lines.append(f"  {'kernel':<60} {'kind':>10} {'part':>11} {'ms/step':>8} {'calls':>6}")
+        for name, kind, scope, ms, calls in self.top_kernels:
+            lines.append(f"  {name[:60]:<60} {kind:>10} {scope:>11} {ms:>8.2f} {calls:>6.0f}")
+        return "\n".join(lines)
+
+
+def _desc(table):
+    return sorted(table.items(), key=lambda kv: -kv[1])
+
+
+def kernel_kind(name: str, hlo_opcode: str = "") -> str:
+    for kind, pattern in _KERNEL_KINDS:
+        if pattern.search(name) or (kind != "copy" and pattern.search(hlo_opcode)):
+            return kind
+    return "fusion/other"
+
+
+def op_scopes(hlo_text: str) -> dict:
+    """HLO instruction name -> (opcode, op_name metadata) from a compiled module's text."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", hlo_text, re.M):
+        opcode = re.search(r"([a-z][\w\-]*)\(", m.group(2))
+        op_name = re.search(r'op_name="([^"]*)"', m.group(2))
+        out[m.group(1)] = (opcode.group(1) if opcode else "", op_name.group(1) if op_name else "")
+    return out
+
+
+def scope_of(op_name: str) -> str:
+    for scope, pattern in _SCOPES:
+        if pattern.search(op_name):
+            return scope
+    return "other"
+
+
+def _device_events(data):
+    """(kernel name, hlo_op, start ns, end ns) of every event tagged with an HLO op, on device planes if any."""
+    planes = [p for p in data.planes if p.name.startswith("/device:")] or \
+        [p for p in data.planes if p.name.startswith("/host:CPU")]
+    for plane in planes:
+        for line in plane.lines:
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if "hlo_op" in stats and not _CONTAINER.match(str(stats["hlo_op"])):
+                    yield ev.name, str(stats["hlo_op"]), ev.start_ns, ev.end_ns
+
+
+def _covered_ns(intervals):
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
+def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
+    """Traces `steps` calls of `run_step()` (which must block) and sums device time per kernel / kind / part."""
+    import time  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run_step()
+            wall = time.perf_counter() - t0
+        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        events = list(_device_events(data))
+    scopes = op_scopes(hlo_text)
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    by_kind, by_scope = collections.Counter(), collections.Counter()
+    for name, hlo_op, start, end in events:
+        opcode, op_name = scopes.get(hlo_op, ("", ""))
+        kind, scope = kernel_kind(name, opcode), scope_of(op_name)
+        ms = (end - start) / 1e6 / steps
+        per_kernel[(name, kind, scope)][0] += ms
+        per_kernel[(name, kind, scope)][1] += 1 / steps
+        by_kind[kind] += ms
+        by_scope[scope] += ms
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    busy = _covered_ns([(s, e) for _, _, s, e in events]) / 1e6 / steps
+    return Profile(steps, wall * 1e3 / steps, busy, dict(by_kind), dict(by_scope),
+                   [(n, k, s, ms, calls) for (n, k, s), (ms, calls) in ranked])
