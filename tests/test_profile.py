@@ -35,6 +35,7 @@ def test_profile_labels_model_parts_and_accounts_for_the_step(compiled_step):
         assert prof.by_scope.get(part, 0) > 0, prof.by_scope
     assert prof.by_kind.get("matmul", 0) > 0
     assert len(prof.top_kernels) == 5 and prof.top_kernels[0][3] >= prof.top_kernels[-1][3]
+    assert prof.matched > 0.9, prof.unmatched_examples
     assert "device busy" in prof.format()
 
 

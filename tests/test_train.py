@@ -61,9 +61,10 @@ def test_remat_policies_give_identical_loss_and_grads(policy):
     _assert_trees_close(ref, got, rtol=1e-5, atol=1e-7)
 
 
-def _saved_per_layer(policy, names=("attn_out",)):
+def _saved_per_layer(policy, names=("attn_out",), attention_impl="auto"):
     """Residuals the backward pass keeps for the scanned layers (stacked, leading dim = num_layers)."""
-    cfg = tiny_config(model=dict(remat_policy=policy, remat_save_names=names, num_layers=3))
+    cfg = tiny_config(model=dict(remat_policy=policy, remat_save_names=names, num_layers=3,
+                                 attention_impl=attention_impl))
     setup = build(cfg, jax.devices()[:1])
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), setup.model.abstract_params())
     tokens = jnp.zeros((2, 32), jnp.int32)
@@ -80,6 +81,13 @@ def test_remat_policies_save_what_they_name():
     assert (3, 2, 32, 4, 16) in _saved_per_layer("selective", ("attn_context",))
     ffn = tiny_config().model.ffn_hidden_size  # the SwiGLU gate and up projections, saved by name
     assert sorted(_saved_per_layer("selective", ("mlp_gate", "mlp_up"))) == [(3, 2, 32, 64)] + [(3, 2, 32, ffn)] * 2
+
+
+def test_remat_attn_core_keeps_the_attention_kernel_results():
+    """attn_core keeps the flash kernel's output and log-sum-exp, so the backward never reruns the forward kernel."""
+    plain = _saved_per_layer("selective", ("attn_out",), attention_impl="pallas")
+    core = _saved_per_layer("selective", ("attn_out", "attn_core"), attention_impl="pallas")
+    assert (3, 2, 4, 32) not in plain and (3, 2, 4, 32) in core  # lse [layers, B, heads, T]
     assert len(_saved_per_layer("none")) > 10
 
 

@@ -13,6 +13,15 @@ import jax.numpy as jnp
 log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "xla", "cudnn", "pallas")
+# Remat name of an attention kernel's results (output and softmax statistics): a policy that saves it keeps the
+# backward pass from rerunning the forward kernel. The Pallas kernel names them; cuDNN's are found by primitive.
+ATTN_CORE = "attn_core"
+_CUDNN_FORWARD = "dot_product_attention_fwd"
+
+
+def is_attention_kernel(prim) -> bool:
+    """Whether a primitive is a fused attention forward whose results `attn_core` keeps (cuDNN's)."""
+    return prim.name.startswith(_CUDNN_FORWARD)
 
 
 class AttentionUnsupported(ValueError):

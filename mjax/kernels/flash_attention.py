@@ -20,8 +20,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import AttentionUnsupported
+from mjax.kernels.attention import ATTN_CORE, AttentionUnsupported
 from mjax.kernels.flash_backward import flash_backward
 from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret
 from mjax.kernels.flash_forward import flash_forward
@@ -105,6 +106,8 @@ def _flash(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
     out, lse = flash_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    # Named so that a remat policy can keep the kernel's results and skip rerunning it (remat name attn_core).
+    out, lse = checkpoint_name(out, ATTN_CORE), checkpoint_name(lse, ATTN_CORE)
     return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 

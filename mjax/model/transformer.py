@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from mjax.kernels.attention import ATTN_CORE, is_attention_kernel
 from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
@@ -42,7 +43,10 @@ def remat_policy(cfg):
         return None
     if cfg.remat_policy == "full":
         return jax.checkpoint_policies.nothing_saveable
-    return jax.checkpoint_policies.save_only_these_names(*cfg.remat_save_names)
+    by_name = jax.checkpoint_policies.save_only_these_names(*cfg.remat_save_names)
+    if ATTN_CORE not in cfg.remat_save_names:
+        return by_name
+    return lambda prim, *args, **params: is_attention_kernel(prim) or by_name(prim, *args, **params)
 
 
 class CausalLM(nnx.Module):

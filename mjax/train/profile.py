@@ -37,16 +37,20 @@ class Profile:
     busy_ms_per_step: float  # device time covered by at least one counted event, per step
     by_kind: dict  # kind -> ms per step
     by_scope: dict  # model part -> ms per step
-    top_kernels: list  # [(kernel name, kind, scope, ms per step, launches per step)]
+    top_kernels: list  # [(kernel name, kind, scope, ms per step, launches per step, HLO op: opcode and op_name tail)]
+    matched: float  # fraction of the device time whose HLO op was found in the compiled module's text
+    unmatched_examples: list  # a few (kernel, hlo_op) that were not, to see why
+
 
     def format(self) -> str:
         lines = [f"per step: wall {self.wall_ms_per_step:.1f} ms, device busy {self.busy_ms_per_step:.1f} ms "
                  f"({self.busy_ms_per_step / self.wall_ms_per_step:.0%})"]
         for title, table in (("kind", self.by_kind), ("model part", self.by_scope)):
             lines.append(f"  by {title}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in _desc(table)))
-        lines.append(f"  {'kernel':<60} {'kind':>10} {'part':>11} {'ms/step':>8} {'calls':>6}")
-        for name, kind, scope, ms, calls in self.top_kernels:
-            lines.append(f"  {name[:60]:<60} {kind:>10} {scope:>11} {ms:>8.2f} {calls:>6.0f}")
+        lines.append(f"  HLO ops found for {self.matched:.0%} of the time; not found e.g. {self.unmatched_examples[:3]}")
+        lines.append(f"  {'kernel':<48} {'kind':>10} {'part':>10} {'ms/step':>8} {'calls':>6}  HLO op")
+        for name, kind, scope, ms, calls, op in self.top_kernels:
+            lines.append(f"  {name[:48]:<48} {kind:>10} {scope:>10} {ms:>8.2f} {calls:>6.0f}  {op}")
         return "\n".join(lines)
 
 
@@ -115,15 +119,23 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
     scopes = op_scopes(hlo_text)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_kind, by_scope = collections.Counter(), collections.Counter()
+    found_ms, unmatched = 0.0, {}
     for name, hlo_op, start, end in events:
+        ms = (end - start) / 1e6 / steps
+        if hlo_op in scopes:
+            found_ms += ms
+        elif len(unmatched) < 5:
+            unmatched.setdefault(name, hlo_op)
         opcode, op_name = scopes.get(hlo_op, ("", ""))
         kind, scope = kernel_kind(name, opcode), scope_of(op_name)
-        ms = (end - start) / 1e6 / steps
-        per_kernel[(name, kind, scope)][0] += ms
-        per_kernel[(name, kind, scope)][1] += 1 / steps
+        op = f"{opcode} {'/'.join(op_name.split('/')[-2:])}"[:70]
+        per_kernel[(name, kind, scope, op)][0] += ms
+        per_kernel[(name, kind, scope, op)][1] += 1 / steps
         by_kind[kind] += ms
         by_scope[scope] += ms
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     busy = _covered_ns([(s, e) for _, _, s, e in events]) / 1e6 / steps
+    total = sum(by_kind.values()) or 1.0
     return Profile(steps, wall * 1e3 / steps, busy, dict(by_kind), dict(by_scope),
-                   [(n, k, s, ms, calls) for (n, k, s), (ms, calls) in ranked])
+                   [(n, k, s, ms, calls, op) for (n, k, s, op), (ms, calls) in ranked], found_ms / total,
+                   list(unmatched.items()))
