@@ -58,3 +58,21 @@ def test_xla_options_reach_the_compiler(compiled_step):
     setup, _, state, batch = compiled_step
     with pytest.raises(Exception, match="no_such_xla_option"):
         setup.compile_step(state, batch, {"no_such_xla_option": True})
+
+
+def test_exposed_time_counts_only_what_compute_does_not_cover():
+    from mjax.train.profile import _exposed_ns
+
+    compute = [(0, 10), (5, 20), (30, 40)]
+    assert _exposed_ns([(15, 35)], compute) == 10  # 20..30 uncovered
+    assert _exposed_ns([(0, 5), (50, 60)], compute) == 10
+    assert _exposed_ns([], compute) == 0
+
+
+def test_command_buffer_kernels_are_found_by_their_fusion_name():
+    from mjax.train.profile import _hlo_name
+
+    scopes = {"loop_add_fusion.3": ("fusion", "jit(step)/mlp/add"), "custom-call.2": ("custom-call", "")}
+    assert _hlo_name("loop_add_fusion_3", "command_buffer_1", scopes) == "loop_add_fusion.3"
+    assert _hlo_name("nvjet_sm90_tst", "custom-call.2", scopes) == "custom-call.2"
+    assert _hlo_name("nvjet_sm90_tst", "command_buffer_1", scopes) is None

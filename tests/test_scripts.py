@@ -39,3 +39,14 @@ def test_config_errors_exit_2_with_the_flag_named():
     out = _train("--model.num_attention_heads=3", "--mock_data")
     assert out.returncode == 2
     assert "--model.num_attention_heads=3" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_layout_check_script_matches_one_device_on_every_layout(tmp_path):
+    env = {**ENV, "JAX_NUM_CPU_DEVICES": "2"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_layouts.py"), "--steps=2",
+                          f"--json_out={tmp_path / 'l.json'}"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "l.json").read_text())["rows"]
+    assert {r["layout"] for r in rows} == {"dp2", "fsdp2", "zero1 dp2", "tp2 sp dp1", "tp2 fsdp1", "pp2 dp1"}
+    assert all(r["max_rel_diff"] < 1e-4 for r in rows)

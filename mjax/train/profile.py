@@ -40,6 +40,7 @@ class Profile:
     top_kernels: list  # [(kernel name, kind, scope, ms per step, launches per step, HLO op: opcode and op_name tail)]
     matched: float  # fraction of the device time whose HLO op was found in the compiled module's text
     unmatched_examples: list  # a few (kernel, hlo_op) that were not, to see why
+    exposed_collective_ms: float  # collective kernel time during which no compute kernel ran, per step
 
 
     def format(self) -> str:
@@ -47,6 +48,9 @@ class Profile:
                  f"({self.busy_ms_per_step / self.wall_ms_per_step:.0%})"]
         for title, table in (("kind", self.by_kind), ("model part", self.by_scope)):
             lines.append(f"  by {title}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in _desc(table)))
+        if self.by_kind.get("collective"):
+            lines.append(f"  collectives: {self.by_kind['collective']:.1f} ms, of which {self.exposed_collective_ms:.1f}"
+                         " ms with no compute kernel running (not overlapped)")
         lines.append(f"  HLO ops found for {self.matched:.0%} of the time; not found e.g. {self.unmatched_examples[:3]}")
         lines.append(f"  {'kernel':<48} {'kind':>10} {'part':>10} {'ms/step':>8} {'calls':>6}  HLO op")
         for name, kind, scope, ms, calls, op in self.top_kernels:
@@ -83,8 +87,9 @@ def scope_of(op_name: str) -> str:
 
 
 def _device_events(data):
-    """(kernel name, hlo_op, start ns, end ns) of every event tagged with an HLO op, on device planes if any."""
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or \
+    """(kernel name, hlo_op, start ns, end ns) of every event tagged with an HLO op, on the first device's plane
+    (the host's where there is no device plane): per-device numbers, as the benchmark reports."""
+    planes = sorted((p for p in data.planes if p.name.startswith("/device:")), key=lambda p: p.name)[:1] or \
         [p for p in data.planes if p.name.startswith("/host:CPU")]
     for plane in planes:
         for line in plane.lines:
@@ -92,6 +97,30 @@ def _device_events(data):
                 stats = dict(ev.stats)
                 if "hlo_op" in stats and not _CONTAINER.match(str(stats["hlo_op"])):
                     yield ev.name, str(stats["hlo_op"]), ev.start_ns, ev.end_ns
+
+
+def _hlo_name(kernel: str, hlo_op: str, scopes: dict) -> str | None:
+    """The HLO instruction of an event: its hlo_op, or (inside a CUDA-graph command buffer, whose events carry
+    the buffer's name) the instruction its kernel is named after, `loop_add_fusion_3` for `loop_add_fusion.3`."""
+    for name in (hlo_op, re.sub(r"_(\d+)$", r".\1", kernel), kernel):
+        if name in scopes:
+            return name
+    return None
+
+
+def _exposed_ns(intervals, cover):
+    """Time of `intervals` not covered by the union of `cover` (both lists of (start, end))."""
+    merged = []
+    for s, e in sorted(cover):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    exposed = 0
+    for s, e in intervals:
+        covered = sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in merged if ce > s and cs < e)
+        exposed += (e - s) - covered
+    return exposed
 
 
 def _covered_ns(intervals):
@@ -120,22 +149,25 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_kind, by_scope = collections.Counter(), collections.Counter()
     found_ms, unmatched = 0.0, {}
+    compute, collective = [], []
     for name, hlo_op, start, end in events:
         ms = (end - start) / 1e6 / steps
-        if hlo_op in scopes:
+        instruction = _hlo_name(name, hlo_op, scopes)
+        if instruction is not None:
             found_ms += ms
         elif len(unmatched) < 5:
             unmatched.setdefault(name, hlo_op)
-        opcode, op_name = scopes.get(hlo_op, ("", ""))
+        opcode, op_name = scopes.get(instruction, ("", ""))
         kind, scope = kernel_kind(name, opcode), scope_of(op_name)
         op = f"{opcode} {'/'.join(op_name.split('/')[-2:])}"[:70]
         per_kernel[(name, kind, scope, op)][0] += ms
         per_kernel[(name, kind, scope, op)][1] += 1 / steps
         by_kind[kind] += ms
         by_scope[scope] += ms
+        (collective if kind == "collective" else compute).append((start, end))
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     busy = _covered_ns([(s, e) for _, _, s, e in events]) / 1e6 / steps
     total = sum(by_kind.values()) or 1.0
     return Profile(steps, wall * 1e3 / steps, busy, dict(by_kind), dict(by_scope),
                    [(n, k, s, ms, calls, op) for (n, k, s, op), (ms, calls) in ranked], found_ms / total,
-                   list(unmatched.items()))
+                   list(unmatched.items()), _exposed_ns(collective, compute) / 1e6 / steps)
