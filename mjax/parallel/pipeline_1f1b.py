@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mjax.parallel.pipeline_stage import (AXIS, embed, head, manual, micro_at, per_stage_zeros, run_layers, shift,
-                                          varying)
+from mjax.parallel.pipeline_stage import AXIS, embed, head, manual, micro_at, per_stage_zeros, run_layers, shift
 
 
 def num_slots(pp: int, num_micro: int) -> int:
@@ -72,7 +71,7 @@ def run(model, token_loss, use_segments, pp, layers, rest, batch, weight):
             if do_forward:
                 forward(s, c, layers, first, t, batch)
             if do_backward:
-                d_layers, dx = backward(s, c, d_layers, layers, varying(rest), t, batch, weight)
+                d_layers, dx = backward(s, c, d_layers, layers, rest, t, batch, weight)
             return jax.tree.map(lambda a: a[None], c), d_layers, dx[None]
 
         run_stage = manual(stage, (P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P(), P()), (P(AXIS),) * 3)

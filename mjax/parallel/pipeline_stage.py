@@ -30,7 +30,11 @@ def manual(body, in_specs, out_specs):
         with logical_sharding(jax.sharding.get_abstract_mesh(), rules):
             return body(*args)
 
-    return jax.shard_map(in_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS})
+    # check_vma off: the per-shard attention kernels run in their own shard_map with it off (pallas_call outputs
+    # carry no varying axes), and a nested check_vma=False shard_map under a checked one mistypes the kernels'
+    # gradients (custom_vjp "manual axis types do not match").
+    return jax.shard_map(in_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+                         check_vma=False)
 
 
 def micro_at(batch: dict, m) -> dict:
@@ -58,11 +62,6 @@ def head(model, token_loss, rest: dict, y, micro: dict):
     module = model.bind(rest)
     return token_loss(module, module.final_norm(y), micro)
 
-
-def varying(tree):
-    """Inside shard_map: marks values equal on every stage as per-stage ones before they mix with per-stage values,
-    so the gradients they receive stay per stage (summed once at the end) instead of being summed at every use."""
-    return jax.tree.map(lambda a: jax.lax.pcast(a, AXIS, to="varying"), tree)
 
 
 def shift(x, pp: int, direction: int, circular: bool = False):
