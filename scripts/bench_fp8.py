@@ -267,6 +267,7 @@ def main():
     p.add_argument("--e2e_remat", default="selective")
     p.add_argument("--e2e_seq", type=int, default=4096)
     p.add_argument("--e2e_steps", type=int, default=3)
+    p.add_argument("--sections", default="hlo,fp4_fold,e2e,gemm,hlo2", help="Which sections to run, in order.")
     args = p.parse_args()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
@@ -286,7 +287,13 @@ def main():
                                             "blockwise": dict(fp8_recipe="blockwise"),
                                             "nvfp4": dict(fp4_recipe="nvfp4")})),
     ]
+    chosen = args.sections.split(",")
+    unknown = set(chosen) - {name for name, _ in sections}
+    if unknown:
+        p.error(f"--sections: unknown {sorted(unknown)}")
     for name, fn in sections:
+        if name not in chosen:
+            continue
         if elapsed() > args.budget_s - 10:
             results[name] = {"skipped": f"{elapsed():.0f}s of the {args.budget_s}s budget spent"}
             continue
