@@ -62,20 +62,24 @@ def main(argv):
         train=dict(train_iters=FLAGS.steps, global_batch_size=4 * n, micro_batch_size=2, seq_length=256),
         precision=dict(compute_dtype="float32"))
     reference = step_losses(base, jax.devices()[:1], FLAGS.steps)
+    print(f"{'layout':<16} {'max rel diff vs 1 device':>26}   losses", flush=True)
+    print(f"{'1 device':<16} {'':>26}   {' '.join(f'{x:.5f}' for x in reference)}", flush=True)
     rows = []
-    for name, parallel in layouts(n).items():
-        got = step_losses(base.replace(parallel=parallel), jax.devices(), FLAGS.steps)
-        rows.append({"layout": name, "max_rel_diff": float(np.max(np.abs(np.subtract(got, reference)) /
-                                                                  np.abs(reference))), "losses": got})
-    print(f"{'layout':<16} {'max rel diff vs 1 device':>26}   losses")
-    for r in rows:
-        print(f"{r['layout']:<16} {r['max_rel_diff']:>26.2e}   {' '.join(f'{x:.5f}' for x in r['losses'])}")
-    print(f"{'1 device':<16} {'':>26}   {' '.join(f'{x:.5f}' for x in reference)}")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"devices": n, "kind": jax.devices()[0].device_kind, "reference": reference, "rows": rows}, f)
+    for name, parallel in layouts(n).items():  # each row printed and saved as it ends: a time limit keeps them
+        try:
+            got = step_losses(base.replace(parallel=parallel), jax.devices(), FLAGS.steps)
+            row = {"layout": name, "max_rel_diff": float(np.max(np.abs(np.subtract(got, reference)) /
+                                                                np.abs(reference))), "losses": got}
+            print(f"{name:<16} {row['max_rel_diff']:>26.2e}   {' '.join(f'{x:.5f}' for x in got)}", flush=True)
+        except Exception as e:  # a failing layout is a failed row; the others still run
+            row = {"layout": name, "max_rel_diff": float("inf"), "error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"{name:<16} {'failed':>26}   {row['error'][:200]}", flush=True)
+        rows.append(row)
+        if FLAGS.json_out:
+            with open(FLAGS.json_out, "w") as f:
+                json.dump({"devices": n, "kind": jax.devices()[0].device_kind, "reference": reference,
+                           "rows": rows}, f)
     return 0 if all(r["max_rel_diff"] < 1e-4 for r in rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(app.run(main))
