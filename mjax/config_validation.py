@@ -4,7 +4,7 @@ import jax.numpy as jnp
 
 from mjax.config import Config, ConfigError
 
-REMAT_NAMES = ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_out", "norm")
+REMAT_NAMES = ("qkv_proj", "attn_core", "attn_context", "fp8_cast", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_out", "norm")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -121,3 +121,41 @@ def test_fp8_state_survives_checkpoint(runs, tmp_path):
     assert consumed == STEPS * cfg.train.global_batch_size and int(restored.step) == STEPS
     for a, b in zip(jax.tree.leaves(state.fp8), jax.tree.leaves(restored.fp8), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _reduce_max_count(jaxpr) -> int:
+    from jax.extend import core as jcore  # noqa: PLC0415
+
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "reduce_max"
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    n += _reduce_max_count(getattr(sub, "jaxpr", sub))
+    return n
+
+
+def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them():
+    """Selective remat recomputes each linear layer's amaxes and casts in the backward unless fp8_cast is kept.
+    Keeping it leaves the forward as it is; the gradients move within FP8 rounding (the recomputed bf16 inputs
+    need not round to the same FP8 values as the forward's, the kept ones are the forward's)."""
+    from mjax.train.loop import build  # noqa: PLC0415
+
+    batch = next(pattern_batches(_cfg()))
+    out = {}
+    for names in (("attn_out",), ("attn_out", "fp8_cast")):
+        cfg = _cfg(fp8_recipe="tensorwise").replace(
+            model=dict(remat_policy="selective", remat_save_names=names, num_layers=2, scan_layers=False))
+        setup = build(cfg, jax.devices()[:1])
+        state = setup.init_state(0)
+        placed = setup.place_batch(batch)
+        step = make_train_step(setup.model, cfg, setup.tx, setup.schedule)
+        count = _reduce_max_count(jax.make_jaxpr(step)(state, placed).jaxpr)
+        compiled, _ = setup.compile_step(state, placed)
+        _, metrics = compiled(state, placed)
+        out[names[-1]] = count, float(metrics["loss"]), float(metrics["grad_norm"])
+    linears = 2 * 7  # layers x (q, k, v, o, gate, up, down)
+    assert out["attn_out"][0] - out["fp8_cast"][0] >= 2 * linears  # an x and a w amax each, no longer recomputed
+    assert out["attn_out"][1] == out["fp8_cast"][1]
+    np.testing.assert_allclose(out["attn_out"][2], out["fp8_cast"][2], rtol=1e-3)

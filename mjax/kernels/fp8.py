@@ -24,11 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FORMATS = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}  # --fp8_format -> (forward operands, gradients)
 META_X, META_W, META_G = 0, 1, 2  # rows of `meta` and of the observed amaxes
+FP8_CAST = "fp8_cast"  # remat name of a GEMM's quantized operands, scales and amaxes
 
 
 def fp8_max(dtype) -> float:
@@ -81,6 +83,12 @@ def _scales(spec: Fp8Spec, meta, observed, which: int, dtype):
     return scale_from_amax(observed, dtype, spec.margin)
 
 
+def _named_fp8(q):
+    """checkpoint_name of an FP8 array, passed as its bytes: FP8-typed saved residuals came back as NaN (CPU, jax
+    0.12.0.1). XLA folds the two bitcasts away (no bitcast-convert is left in the compiled step)."""
+    return lax.bitcast_convert_type(checkpoint_name(lax.bitcast_convert_type(q, jnp.uint8), FP8_CAST), q.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def fp8_matmul(x, w, meta, spec: Fp8Spec):
     """x [M, K] (compute dtype), w [K, N] (any float dtype), meta [3] f32 -> y [M, N] in x.dtype."""
@@ -92,6 +100,10 @@ def _fwd(x, w, meta, spec):
     ax, aw = amax(x), amax(w)
     sx, sw = _scales(spec, meta, ax, META_X, fwd_dtype), _scales(spec, meta, aw, META_W, fwd_dtype)
     xq, wq = quantize(x, sx, fwd_dtype), quantize(w, sw, fwd_dtype)  # [M, K], [K, N]
+    # Named so that a remat policy can keep the FP8 operands (1 byte an element) instead of recomputing the amaxes
+    # and casts in the backward (remat name fp8_cast).
+    xq, wq = (_named_fp8(t) for t in (xq, wq))
+    sx, sw, ax, aw = (checkpoint_name(t, FP8_CAST) for t in (sx, sw, ax, aw))
     y = scaled_dot(xq, wq, (1, 0), 1.0 / (sx * sw), x.dtype)  # [M, N]
     # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
     return y, (xq, wq, sx, sw, ax, aw, meta, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
