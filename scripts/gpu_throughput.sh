@@ -18,5 +18,9 @@ bench() {  # name, timeout, flags...: one benchmark run, its table printed, log 
 bench llama3.2-1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
 bench llama3.2-3b ${T3B:-150} --config=llama3.2-3b --profile_steps=2
 # FP8 needs room for its residuals at 3B: the remat set without the gate/up projections, for both rows.
-bench llama3.2-3b_fp8 ${TFP8:-300} --config=llama3.2-3b \
-  --model.remat_save_names=qkv_proj+attn_core+attn_context+attn_out+mlp_out --sweep="fp8_recipe=none,tensorwise,delayed"
+KEEP=qkv_proj+attn_core+attn_context+attn_out+mlp_out
+bench llama3.2-3b_fp8 ${TFP8:-300} --config=llama3.2-3b --model.remat_save_names=$KEEP \
+  --sweep="fp8_recipe=none,tensorwise,delayed"
+# The same FP8 steps keeping their quantized operands (no amax/cast recompute in the backward).
+bench llama3.2-3b_fp8_cast ${TFP8:-300} --config=llama3.2-3b --model.remat_save_names=$KEEP+fp8_cast \
+  --sweep="fp8_recipe=tensorwise,delayed"
