@@ -60,7 +60,10 @@ def main(argv):
         model=dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512,
                    vocab_size=1024),
         train=dict(train_iters=FLAGS.steps, global_batch_size=4 * n, micro_batch_size=2, seq_length=256),
-        precision=dict(compute_dtype="float32"))
+        precision=dict(compute_dtype="float32"),
+        # Plain SGD with a large step: each loss then depends on the size of every earlier gradient (Adam would
+        # normalise a wrongly scaled gradient away), and the losses move enough to tell layouts apart.
+        optimizer=dict(optimizer="sgd", lr=0.5, lr_warmup_iters=0, weight_decay=0.0, clip_grad=0.0))
     reference = step_losses(base, jax.devices()[:1], FLAGS.steps)
     print(f"{'layout':<16} {'max rel diff vs 1 device':>26}   losses", flush=True)
     print(f"{'1 device':<16} {'':>26}   {' '.join(f'{x:.5f}' for x in reference)}", flush=True)

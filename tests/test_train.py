@@ -154,3 +154,17 @@ def test_fused_cross_entropy_never_holds_the_whole_logits():
     logits_bytes = 16 * 256 * 8192 * 4  # fp32 [batch, seq, vocab]
     reference, fused = temp_bytes("reference"), temp_bytes("fused")
     assert reference > logits_bytes and fused < reference - logits_bytes // 2, (reference, fused)
+
+
+def test_attn_core_policy_keeps_the_cudnn_forward_only_when_named():
+    """cuDNN's forward cannot be traced off GPU; its primitive is what the policy sees there (measured on the H200:
+    the forward kernel ran once per layer instead of twice)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+
+    from mjax.model.transformer import remat_policy  # noqa: PLC0415
+
+    prim = cudnn._dot_product_attention_fwd_p_wrapper
+    with_core = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_core",))).model)
+    without = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_out",))).model)
+    assert with_core(prim) and not without(prim)
+    assert not with_core(jax.lax.exp_p)

@@ -9,19 +9,21 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn
 
 log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "xla", "cudnn", "pallas")
 # Remat name of an attention kernel's results (output and softmax statistics): a policy that saves it keeps the
-# backward pass from rerunning the forward kernel. The Pallas kernel names them; cuDNN's are found by primitive.
+# backward pass from rerunning the forward kernel. The Pallas kernel names them; cuDNN's are found by primitive,
+# taken from JAX itself so that a rename there fails here at import instead of silently recomputing.
 ATTN_CORE = "attn_core"
-_CUDNN_FORWARD = "dot_product_attention_fwd"
+_CUDNN_FORWARD = (_cudnn._dot_product_attention_fwd_p, _cudnn._dot_product_attention_fwd_p_wrapper)
 
 
 def is_attention_kernel(prim) -> bool:
     """Whether a primitive is a fused attention forward whose results `attn_core` keeps (cuDNN's)."""
-    return prim.name.startswith(_CUDNN_FORWARD)
+    return prim in _CUDNN_FORWARD
 
 
 class AttentionUnsupported(ValueError):

@@ -21,11 +21,9 @@ _KERNEL_KINDS = (
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|dot|matmul", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
-# op_name scope -> part of the model (first match wins).
+# op_name scope -> part of the model (first match wins): mjax's jax.named_scope labels.
 _SCOPES = tuple((scope, re.compile(rf"\b{scope}\b")) for scope in
-                ("optimizer", "loss", "embedding", "attention", "mlp", "norm"))  # mjax's jax.named_scope labels
-
-
+                ("optimizer", "loss", "embedding", "attention", "mlp", "norm"))
 # Host-side control flow whose events enclose the ops they run (counting both would count twice).
 _CONTAINER = re.compile(r"(while|call|conditional)(\.\d+)?$")
 
@@ -41,7 +39,6 @@ class Profile:
     matched: float  # fraction of the device time whose HLO op was found in the compiled module's text
     unmatched_examples: list  # a few (kernel, hlo_op) that were not, to see why
     exposed_collective_ms: float  # collective kernel time during which no compute kernel ran, per step
-
 
     def format(self) -> str:
         lines = [f"per step: wall {self.wall_ms_per_step:.1f} ms, device busy {self.busy_ms_per_step:.1f} ms "
@@ -64,7 +61,7 @@ def _desc(table):
 
 def kernel_kind(name: str, hlo_opcode: str = "") -> str:
     for kind, pattern in _KERNEL_KINDS:
-        if pattern.search(name) or (kind != "copy" and pattern.search(hlo_opcode)):
+        if pattern.search(name) or pattern.search(hlo_opcode):
             return kind
     return "fusion/other"
 
@@ -108,29 +105,21 @@ def _hlo_name(kernel: str, hlo_op: str, scopes: dict) -> str | None:
     return None
 
 
-def _exposed_ns(intervals, cover):
-    """Time of `intervals` not covered by the union of `cover` (both lists of (start, end))."""
+def _merged(intervals) -> list[list[int]]:
+    """The union of (start, end) intervals as sorted, disjoint [start, end] pairs."""
     merged = []
-    for s, e in sorted(cover):
+    for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
             merged.append([s, e])
-    exposed = 0
-    for s, e in intervals:
-        covered = sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in merged if ce > s and cs < e)
-        exposed += (e - s) - covered
-    return exposed
+    return merged
 
 
-def _covered_ns(intervals):
-    total, end = 0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total, end = total + (e - s), e
-        elif e > end:
-            total, end = total + (e - end), e
-    return total
+def _exposed_ns(intervals, cover):
+    """Time of `intervals` not covered by the union of `cover` (both lists of (start, end))."""
+    union = _merged(cover)
+    return sum((e - s) - sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in union) for s, e in intervals)
 
 
 def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
@@ -166,7 +155,7 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
         by_scope[scope] += ms
         (collective if kind == "collective" else compute).append((start, end))
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
-    busy = _covered_ns([(s, e) for _, _, s, e in events]) / 1e6 / steps
+    busy = sum(e - s for s, e in _merged(compute + collective)) / 1e6 / steps
     total = sum(by_kind.values()) or 1.0
     return Profile(steps, wall * 1e3 / steps, busy, dict(by_kind), dict(by_scope),
                    [(n, k, s, ms, calls, op) for (n, k, s, op), (ms, calls) in ranked], found_ms / total,
