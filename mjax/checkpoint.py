@@ -117,6 +117,14 @@ def _model_diff(saved_cfg: dict | None, cfg) -> str:
     return f" It was saved with {', '.join(diffs)}." if diffs else ""
 
 
+def pick_step(steps: list[int], requested: int | None, directory, error=ValueError) -> int:
+    """The step to read from a directory holding sorted `steps`: the latest, or the one --ckpt_step names."""
+    step = steps[-1] if requested is None else requested
+    if step not in steps:
+        raise error(f"--ckpt_step={step}: {directory} holds steps {steps}")
+    return step
+
+
 class Checkpointer:
     """The training loop's checkpoint hook: `restore_or_init()`, then `start()`, `after_step()` every step, and
     `close()` at the end (it waits for the last async save)."""
@@ -142,16 +150,17 @@ class Checkpointer:
     def _restore_or_init(self) -> tuple[TrainState, int]:
         c = self.cfg.checkpoint
         own = self._mngr.latest_step() if self._mngr is not None else None
-        if own is not None and c.load_step is None:
-            if c.load and _abspath(c.load) != _abspath(c.save):
-                log.warning("--save=%s already holds step %d: resuming from it; --load=%s is not used", c.save,
-                            own, c.load)
+        same = self._mngr is not None and bool(c.load) and _abspath(c.load) == _abspath(c.save)
+        # A run's own steps win (a requeued job resumes its progress), unless --ckpt_step names one of them.
+        if own is not None and not (same and c.load_step is not None):
+            if c.load and not same:
+                log.warning("--save=%s already holds step %d: resuming from it; --load=%s%s is not used", c.save,
+                            own, c.load, "" if c.load_step is None else f" --ckpt_step={c.load_step}")
             return self._restore(self._mngr, own, c.save)
         if not c.load:
             return self.setup.init_state(self.cfg.train.seed), 0
         if c.load_params_only:
             return self._init_from_params(c.load), 0
-        same = self._mngr is not None and _abspath(c.load) == _abspath(c.save)
         mngr = self._mngr if same else _manager(c.load)
         steps = sorted(mngr.all_steps())
         if not steps:
@@ -160,9 +169,7 @@ class Checkpointer:
                 return self.setup.init_state(self.cfg.train.seed), 0
             raise CheckpointError(f"--load={c.load} holds no checkpoint (no complete step directory); check the "
                                   "path, or drop --load to start from scratch")
-        step = steps[-1] if c.load_step is None else c.load_step
-        if step not in steps:
-            raise CheckpointError(f"--ckpt_step={step}: {c.load} holds steps {steps}")
+        step = pick_step(steps, c.load_step, c.load, CheckpointError)
         try:
             return self._restore(mngr, step, c.load)
         finally:
@@ -214,9 +221,7 @@ class Checkpointer:
             if not steps:
                 raise CheckpointError(f"--load={directory} holds neither a training checkpoint (step directories) "
                                       f"nor a converted one ({orbax_io.PARAMS}/ and {orbax_io.CONFIG})")
-            step = steps[-1] if self.cfg.checkpoint.load_step is None else self.cfg.checkpoint.load_step
-            if step not in steps:
-                raise CheckpointError(f"--ckpt_step={step}: {directory} holds steps {steps}")
+            step = pick_step(steps, self.cfg.checkpoint.load_step, directory, CheckpointError)
             source = os.path.join(_abspath(directory), str(step))
         abstract = self._abstract()
         t0 = time.perf_counter()

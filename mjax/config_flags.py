@@ -22,7 +22,7 @@ def _parse(text: str, typ, flag: str):
             return None
         return _parse(text, args[0], flag)
     if origin is tuple:
-        return tuple(_parse(x, typing.get_args(typ)[0], flag) for x in text.replace(",", " ").replace("+", " ").split())
+        return tuple(_parse(x, typing.get_args(typ)[0], flag) for x in text.replace(",", " ").split())
     try:
         if typ is bool:
             return _BOOL_WORDS[text.lower()]

@@ -1,7 +1,5 @@
 """Plain-word checks of a Config, run before anything is traced. Each message names the flag to change."""
 
-import jax.numpy as jnp
-
 from mjax.config import Config, ConfigError
 
 REMAT_NAMES = ("qkv_proj", "attn_core", "attn_context", "fp8_cast", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_out", "norm")
@@ -86,9 +84,9 @@ def validate_model(cfg: Config) -> None:
     if m.sliding_window is not None:
         _positive(m.sliding_window, "model.window_size")
     if m.num_experts is not None:
-        _positive(m.num_experts, "model.num_experts")
-        if not 0 < m.moe_router_topk <= m.num_experts:
-            raise ConfigError(f"--model.moe_router_topk={m.moe_router_topk} must be in 1..num_experts")
+        raise ConfigError(f"model {m.name!r} has --num_experts={m.num_experts}: MoE layers are not implemented yet")
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"--ep={cfg.parallel.ep} needs MoE layers (--num_experts), which are not implemented yet")
     if m.num_attention_heads % tp:
         raise ConfigError(f"--model.num_attention_heads={m.num_attention_heads} is not divisible by --tp={tp}")
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
@@ -123,9 +121,6 @@ def validate_pipeline(cfg: Config, num_devices: int) -> None:
         raise ConfigError(f"--vpp={p.vpp} needs --pp > 1")
     if p.vpp > 1 and p.pipeline_schedule != "interleaved":
         raise ConfigError(f"--vpp={p.vpp} needs --pipeline_schedule=interleaved (got {p.pipeline_schedule})")
-    if p.pp > 1 and cfg.precision.fp8_recipe:
-        raise ConfigError(f"--fp8_recipe={cfg.precision.fp8_recipe} with --pp={p.pp} is not supported yet: the "
-                          "pipeline stages do not carry the FP8 scaling state; drop one of them")
     if p.pp > 1 and p.pipeline_schedule == "interleaved" and p.vpp == 1:
         raise ConfigError("--pipeline_schedule=interleaved needs --vpp >= 2 virtual stages per device; "
                           "with --vpp=1 use gpipe or 1f1b")
@@ -140,6 +135,7 @@ def validate_pipeline(cfg: Config, num_devices: int) -> None:
 def validate_quantization(cfg: Config, num_devices: int) -> None:
     """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
     pr, m = cfg.precision, cfg.model
+    _choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
     _choice(pr.fp8_recipe, (None, "delayed", "tensorwise", "blockwise"), "fp8_recipe")
     _choice(pr.fp4_recipe, (None, "nvfp4", "mxfp4"), "fp4_recipe")
     _choice(pr.fp8_format, ("e4m3", "hybrid"), "fp8_format")
@@ -148,8 +144,15 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
     _positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
     if pr.fp8_margin < 0:
         raise ConfigError(f"--fp8_margin must be >= 0, got {pr.fp8_margin}")
+    if "fp8_cast" in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
+        raise ConfigError(f"--model.remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
+                          f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
+                          f"--fp4_recipe={pr.fp4_recipe}; drop it")
     if pr.fp8_recipe is None and pr.fp4_recipe is None:
         return
+    if pr.quant_impl == "pallas" and pr.fp8_recipe in ("delayed", "tensorwise"):
+        raise ConfigError(f"--quant_impl=pallas: per-tensor FP8 (--fp8_recipe={pr.fp8_recipe}) runs through XLA and "
+                          "cuBLASLt only; use --quant_impl=auto or xla")
     if pr.fp8_recipe is not None and pr.fp4_recipe is not None:
         raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} and --fp4_recipe={pr.fp4_recipe} are both set; choose one")
     if pr.compute_dtype == "float16":
@@ -196,17 +199,15 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
 
     _positive(t.train_iters, "train_iters")
     _positive(t.seq_length, "seq_length")
+    validate_quantization(cfg, num_devices)
     validate_pipeline(cfg, num_devices)
     _choice(t.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     if t.z_loss_coeff < 0:
         raise ConfigError(f"--z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
 
-    _choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
     _choice(pr.params_dtype, ("float32", "bfloat16", "float16"), "precision.params_dtype")
-    jnp.dtype(pr.compute_dtype)
     if pr.loss_scale is not None and pr.loss_scale <= 0:
         raise ConfigError(f"--loss_scale must be positive, got {pr.loss_scale}")
-    validate_quantization(cfg, num_devices)
 
     _choice(o.optimizer, ("adamw", "sgd"), "optimizer")
     _choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")
@@ -223,5 +224,9 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
         raise ConfigError(f"--clip_grad must be >= 0, got {o.clip_grad}")
 
     _positive(cfg.logging.log_interval, "log_interval")
-    if cfg.checkpoint.save_interval < 0:
+    c = cfg.checkpoint
+    if c.save_interval < 0:
         raise ConfigError("--save_interval must be >= 0")
+    for flag, given in (("--ckpt_step", c.load_step is not None), ("--load_params_only", c.load_params_only)):
+        if given and not c.load:
+            raise ConfigError(f"{flag} says what to read from --load, but --load is not set")

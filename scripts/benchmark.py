@@ -90,6 +90,8 @@ def apply_case(cfg, case: dict):
             raise ConfigError(f"--sweep: unknown config field {name!r}")
         section, field = index[name]
         typ = typing.get_type_hints(type(getattr(cfg, section)))[field]
+        if typing.get_origin(typ) is tuple:  # ',' separates sweep values, so a tuple's items are joined by '+'
+            text = text.replace("+", ",")
         overrides.setdefault(section, {})[field] = _parse(text, typ, name)
     return cfg.replace(**overrides), options
 

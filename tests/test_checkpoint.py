@@ -142,6 +142,17 @@ def test_load_of_a_directory_without_checkpoints_says_so(interrupted, tmp_path):
         _restore(interrupted["dir"], checkpoint=dict(load_step=7))
 
 
+def test_a_runs_own_steps_win_over_load_and_ckpt_step(interrupted, tmp_path):
+    """A requeued job with --save=B --load=A --ckpt_step=k resumes from B's latest step, not from A again; only
+    with --load equal to --save does --ckpt_step pick among the run's own steps."""
+    own = tmp_path / "own"
+    shutil.copytree(interrupted["dir"], own)
+    state, _ = _restore(str(tmp_path / "elsewhere"), checkpoint=dict(save=str(own), load_step=7))
+    assert int(state.step) == 3
+    with pytest.raises(CheckpointError, match=r"--ckpt_step=7: .* holds steps \[3"):
+        _restore(str(own), checkpoint=dict(save=str(own), load_step=7))
+
+
 @pytest.mark.parametrize("source", ["training checkpoint", "converted checkpoint"])
 def test_load_params_only_takes_weights_with_a_fresh_optimizer(interrupted, tmp_path, source):
     directory = interrupted["dir"]

@@ -15,7 +15,12 @@ def test_every_preset_loads_and_validates():
                      "qwen2_5_7b", "mixtral_8x7b", "deepseek_moe_16b"):
         assert required in names
     for name in names:
-        load_config(name).validate(1)
+        cfg = load_config(name)
+        if cfg.model.num_experts is None:
+            cfg.validate(1)
+        else:  # the MoE presets load; training them waits for the MoE layers, and says so before tracing
+            with pytest.raises(ConfigError, match="MoE layers are not implemented yet"):
+                cfg.validate(1)
     assert load_config("llama3.2-1b").model.num_query_groups == 8  # dotted names resolve to the same files
     assert load_config("mixtral-8x7b").model.num_experts == 8
 
@@ -42,6 +47,13 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(model=dict(position_embedding_type="learned", max_position_embeddings=64)), 1, "exceeds"),
     (dict(model=dict(remat_policy="selective", remat_save_names=("qkv_proj", "bogus"))), 1, "bogus"),
     (dict(parallel=dict(tp=2, sequence_parallel=True), train=dict(seq_length=127)), 2, "sequence_parallel"),
+    (dict(parallel=dict(ep=2)), 2, "--ep=2 needs MoE layers"),
+    (dict(model=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
+    (dict(model=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
+    (dict(precision=dict(fp8_recipe="tensorwise", quant_impl="pallas")), 1, "--quant_impl=pallas"),
+    (dict(precision=dict(fp8_recipe="bogus"), parallel=dict(pp=2)), 2, "--fp8_recipe='bogus' is not one of"),
+    (dict(checkpoint=dict(load_step=3)), 1, "--ckpt_step says what to read from --load"),
+    (dict(checkpoint=dict(load_params_only=True)), 1, "--load_params_only says"),
 ])
 def test_validation_errors_name_the_flag(overrides, devices, message):
     with pytest.raises(ConfigError, match=message):

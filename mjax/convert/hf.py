@@ -206,10 +206,9 @@ def _mjax_source(src: Path, step: int | None):
     if not steps:
         raise ConversionError(f"{src} is not an mjax checkpoint: expected config.json and params/ (converted) or "
                               "step directories (scripts/train.py --save)")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ConversionError(f"--ckpt_step={step}: {src} holds steps {steps}")
-    from mjax.checkpoint import saved_config  # noqa: PLC0415
+    from mjax.checkpoint import pick_step, saved_config  # noqa: PLC0415
+
+    step = pick_step(steps, step, src, ConversionError)
 
     return saved_config(str(src), step), src / str(step)
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mjax.train.loop import build
+from mjax.train.loop import build, compiled_memory
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
 
 
@@ -52,11 +52,8 @@ class Result:
 
 
 def compiled_memory_gib(compiled) -> float:
-    m = compiled.memory_analysis()
-    if m is None:
-        return float("nan")
-    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return total / 2**30
+    analysis = compiled_memory(compiled)
+    return float("nan") if analysis is None else analysis[1] / 2**30
 
 
 def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=None, compiler_options=None,

@@ -119,15 +119,24 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _log_compiled_memory(compiled):
-    """XLA's own accounting of the compiled step: the memory each device will need."""
+def compiled_memory(compiled):
+    """XLA's own accounting of a compiled step per device: (memory analysis, arguments + outputs - donated +
+    temporaries in bytes), or None where the backend gives none."""
     try:
         m = compiled.memory_analysis()
     except (AttributeError, NotImplementedError, RuntimeError):
-        return
+        return None
     if m is None:
+        return None
+    return m, m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def _log_compiled_memory(compiled):
+    """The memory each device will need for the compiled step."""
+    analysis = compiled_memory(compiled)
+    if analysis is None:
         return
-    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    m, total = analysis
     log.info("compiled step memory per device: arguments %s, outputs %s (donated %s), temporaries %s -> "
              "expected peak about %s", _gib(m.argument_size_in_bytes), _gib(m.output_size_in_bytes),
              _gib(m.alias_size_in_bytes), _gib(m.temp_size_in_bytes), _gib(total))
