@@ -102,3 +102,12 @@ def test_export_to_an_incompatible_architecture(tmp_path):
         mjax_to_hf(tmp_path / "m", tmp_path / "h", architecture="LlamaForCausalLM")
     with pytest.raises(ConversionError, match="--architecture=BertModel is not supported"):
         mjax_to_hf(tmp_path / "m", tmp_path / "h", architecture="BertModel")
+
+
+def test_export_never_writes_over_an_existing_model(tmp_path):
+    """A second export into the same --output would leave stale shards that loaders pick over the new ones."""
+    out = _copy("llama_tied_mha", tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ConversionError, match=r"already holds a model \(model.safetensors\)"):
+        SafetensorsWriter(out, [("x", (2,), np.dtype(np.float32))])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -159,8 +159,10 @@ def test_errors_in_the_prefetch_thread_reach_the_caller():
         def __getitem__(self, i):
             raise RuntimeError("disk on fire")
 
-    with DataIterator(Broken(), 4) as it, pytest.raises(RuntimeError, match="disk on fire"):
-        next(it)
+    with DataIterator(Broken(), 4) as it:
+        for _ in range(2):  # asked again, it fails again instead of waiting for a thread that has stopped
+            with pytest.raises(RuntimeError, match="disk on fire"):
+                next(it)
 
 
 def test_make_batch_is_the_iterator_format():
@@ -169,3 +171,12 @@ def test_make_batch_is_the_iterator_format():
     b = next(it)
     assert b.keys() == make_batch(np.zeros((1, 5)), np.ones((1, 5))).keys()
     assert b["inputs"].tolist() == [[0, 1, 2, 3], [1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("data, message", [
+    (dict(tokenizer_type="huggingface", tokenizer_model="gpt2"), "--tokenizer_type=huggingface needs --data_path"),
+    (dict(mock_data=True, data_path=("some/prefix",)), "--mock_data and --data_path are both set"),
+])
+def test_data_flags_that_would_be_silently_ignored_are_errors(data, message):
+    with pytest.raises(ConfigError, match=message):
+        build_data_iterators(Config().replace(data=data))

@@ -6,7 +6,6 @@ The format: 8-byte little-endian header length, a JSON header {name: {dtype, sha
 """
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -96,6 +95,11 @@ class SafetensorsWriter:
     def __init__(self, directory, plan: list[tuple[str, tuple, np.dtype]], max_shard_bytes: int = 5 << 30):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        # Never written over: a stale shard or index left beside new ones would be loaded instead of them.
+        old = sorted(p.name for p in self.directory.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX)
+        if old:
+            raise ConversionError(f"--output={self.directory} already holds a model ({', '.join(old[:3])}"
+                                  f"{', ...' if len(old) > 3 else ''}); choose an empty directory or remove them")
         shards: list[list] = [[]]
         size = 0
         for name, shape, dtype in plan:
@@ -140,5 +144,3 @@ class SafetensorsWriter:
             index = {"metadata": {"total_size": self.total},
                      "weight_map": {name: w[0] for name, w in self.where.items()}}
             (self.directory / INDEX).write_text(json.dumps(index, indent=2))
-        elif (self.directory / INDEX).exists():
-            os.remove(self.directory / INDEX)

@@ -29,10 +29,21 @@ def open_dataset(prefix: str, tokenizer: Tokenizer) -> IndexedDataset:
     return ds
 
 
+def _check_sources(d) -> None:
+    """Data flags that would otherwise be silently ignored."""
+    if d.mock_data and d.data_path:
+        raise ConfigError("--mock_data and --data_path are both set: synthetic tokens would silently replace the "
+                          "data; drop one")
+    if not d.mock_data and not d.data_path and (d.tokenizer_type != "sample" or d.tokenizer_model):
+        raise ConfigError(f"--tokenizer_type={d.tokenizer_type} needs --data_path: the bundled sample corpus is "
+                          "tokenized with the sample tokenizer (or use --mock_data)")
+
+
 def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None,
                    splits=("train", "valid")) -> dict[str, object | None]:
     """{split name: a dataset indexable by global sample number, or None when `--split` gives it nothing}."""
     d, t = cfg.data, cfg.train
+    _check_sources(d)
     if d.mock_data:
         return {name: MockDataset(cfg.model.vocab_size, t.seq_length, t.seed + SPLITS.index(name)) for name in splits}
     tokenizer = tokenizer or build_tokenizer(d)
@@ -71,6 +82,7 @@ def build_data_iterators(cfg: Config, *, process_index: int = 0, process_count: 
     Every call of the factory yields the same validation batches (the first `eval_iters` global batches of the valid
     split), so evaluations at different steps are comparable. Megatron instead continues through the valid split.
     """
+    _check_sources(cfg.data)
     tokenizer = None if cfg.data.mock_data else build_tokenizer(cfg.data)
     datasets = build_datasets(cfg, tokenizer)
     eod = tokenizer.eod_id if tokenizer and cfg.data.eod_mask_loss else None

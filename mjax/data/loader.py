@@ -78,7 +78,7 @@ class DataIterator:
         return self.batch_fn(np.stack([s[0] for s in samples]), np.stack([s[1] for s in samples]))  # [G/P, L+1]
 
     def _start(self, consumed: int) -> None:
-        self._consumed, self._start_consumed, self._exhausted = consumed, consumed, False
+        self._consumed, self._start_consumed, self._exhausted, self._error = consumed, consumed, False, None
         if self.prefetch > 0:
             self._queue, self._stop = queue.Queue(self.prefetch), threading.Event()
             self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop, consumed),
@@ -113,6 +113,8 @@ class DataIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
+        if self._error is not None:  # the prefetch thread has stopped after it: fail again, never block
+            raise self._error
         if self._exhausted:
             raise StopIteration
         if self.prefetch > 0:
@@ -123,6 +125,7 @@ class DataIterator:
             self._exhausted = True
             raise StopIteration
         if isinstance(item, Exception):
+            self._error = item
             raise item
         self._consumed += self.global_batch_size
         return item
