@@ -1,9 +1,10 @@
 """Plain-word checks of a Config, run before anything is traced. Each message names the flag to change."""
 
 from mjax.config import Config, ConfigError
+from mjax.kernels import attention, fp8, quant
 
-REMAT_NAMES = ("qkv_proj", "attn_core", "attn_context", "fp8_cast", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden", "mlp_out", "norm")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+REMAT_NAMES = ("qkv_proj", attention.ATTN_CORE, "attn_context", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden",
+               "mlp_out", "norm", fp8.FP8_CAST)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -65,7 +66,7 @@ def validate_model(cfg: Config) -> None:
     _choice(m.activation, ("swiglu", "gelu"), "model.activation")
     _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
-    _choice(m.attention_impl, ATTENTION_IMPLS, "model.attention_impl")
+    _choice(m.attention_impl, attention.IMPLS, "model.attention_impl")
     _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")
     _positive(m.cross_entropy_chunk, "cross_entropy_chunk")
     _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
@@ -136,15 +137,15 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
     """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
     pr, m = cfg.precision, cfg.model
     _choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
-    _choice(pr.fp8_recipe, (None, "delayed", "tensorwise", "blockwise"), "fp8_recipe")
-    _choice(pr.fp4_recipe, (None, "nvfp4", "mxfp4"), "fp4_recipe")
+    _choice(pr.fp8_recipe, (None, *quant.FP8_RECIPES), "fp8_recipe")
+    _choice(pr.fp4_recipe, (None, *quant.FP4_RECIPES), "fp4_recipe")
     _choice(pr.fp8_format, ("e4m3", "hybrid"), "fp8_format")
     _choice(pr.fp8_amax_compute_algo, ("most_recent", "max"), "fp8_amax_compute_algo")
-    _choice(pr.quant_impl, ("auto", "xla", "pallas"), "quant_impl")
+    _choice(pr.quant_impl, quant.IMPLS, "quant_impl")
     _positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
     if pr.fp8_margin < 0:
         raise ConfigError(f"--fp8_margin must be >= 0, got {pr.fp8_margin}")
-    if "fp8_cast" in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
+    if fp8.FP8_CAST in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
         raise ConfigError(f"--model.remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; drop it")

@@ -34,12 +34,13 @@ if [ ! -x .venv/bin/python ] || ! is_ok .venv/bin/python; then
 fi
 
 stamp=.setup-stamp
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+extras="test"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then extras="test,cuda13"; fi
+# The extras are part of the stamp: a .venv set up without a GPU (CPU jax) is redone on a machine with one.
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing mjax and its dependencies into .venv"
+  echo "setup: installing mjax and its dependencies ($extras) into .venv"
   .venv/bin/python -m pip install -q --upgrade pip
-  extras="test"
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then extras="test,cuda13"; fi
   .venv/bin/python -m pip install -q -e ".[$extras]"
   echo "$want" > "$stamp"
 fi

@@ -54,7 +54,8 @@ def test_bf16_compute_keeps_fp32_params_and_logits(family):
     logits = jax.jit(model.apply)(params, tokens)
     assert logits.dtype == jnp.float32
     expected = numpy_reference.forward(jax.device_get(params), tokens, cfg)
-    np.testing.assert_allclose(np.asarray(logits), expected, atol=0.05)
+    err = np.max(np.abs(np.asarray(logits) - expected)) / np.std(expected)
+    assert 1e-4 < err < 0.05, err  # bf16 rounding is there (an fp32 run is ~1e-6 off), and stays bf16-sized
 
 
 def test_parameter_layout_per_family():

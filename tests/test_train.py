@@ -17,8 +17,8 @@ from tests.train_utils import pattern_batches, tiny_config
 SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params after one step = init - grads
 
 
-def _one_step(cfg, batch, devices=None):
-    cfg = cfg.replace(optimizer=SGD)
+def _one_step(cfg, batch, devices=None, **optimizer):
+    cfg = cfg.replace(optimizer={**SGD, **optimizer})
     setup = build(cfg, devices)
     state = setup.init_state(cfg.train.seed)
     step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule))
@@ -29,6 +29,20 @@ def _one_step(cfg, batch, devices=None):
 def _assert_trees_close(a, b, **tol):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
+def test_gradient_clipping_scales_the_update_to_clip_over_the_global_norm():
+    """Megatron's clip: grads * clip / (global norm + 1e-6), checked against the unclipped SGD step's gradients."""
+    cfg, clip = tiny_config(), 0.05
+    batch = next(pattern_batches(cfg))
+    init = jax.device_get(build(cfg.replace(optimizer=SGD), jax.devices()[:1]).init_state(cfg.train.seed).params)
+    # A large step keeps the fp32 differences p0 - p well above the params' rounding.
+    free, m_free = _one_step(cfg, batch, jax.devices()[:1], lr=100.0)
+    clipped, m_clipped = _one_step(cfg, batch, jax.devices()[:1], lr=100.0, clip_grad=clip)
+    factor = clip / (float(m_free["grad_norm"]) + 1e-6)
+    assert factor < 0.5 and m_clipped["grad_norm"] == m_free["grad_norm"]  # the norm is reported before clipping
+    for p0, pf, pc in zip(jax.tree.leaves(init), jax.tree.leaves(free), jax.tree.leaves(clipped)):
+        np.testing.assert_allclose(p0 - pc, (p0 - pf) * factor, rtol=1e-3, atol=1e-7)
 
 
 def test_loss_decreases_on_the_tiny_config():

@@ -55,10 +55,6 @@ def quantize(x, scale, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
 
 
-def dequantize(q, scale, dtype=jnp.float32) -> jax.Array:
-    return (q.astype(jnp.float32) / scale).astype(dtype)
-
-
 def scaled_dot(a_q, b_q, contract: tuple[int, int], inv_scale, out_dtype) -> jax.Array:
     """FP8 x FP8 -> out_dtype with one rescale of the product (fused by XLA into the GEMM's consumer)."""
     y = lax.dot_general(a_q, b_q, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=out_dtype)
@@ -122,11 +118,3 @@ def _bwd(spec, res, g):
 
 fp8_matmul.defvjp(lambda x, w, meta, spec: _fwd(x, w, meta, spec), _bwd)
 
-
-def fp8_matmul_reference(x, w, meta, spec: Fp8Spec):
-    """The oracle: the same quantization, dequantized to f32 and multiplied in f32 (forward only)."""
-    fwd_dtype, _ = spec.dtypes
-    sx = _scales(spec, meta, amax(x), META_X, fwd_dtype)
-    sw = _scales(spec, meta, amax(w), META_W, fwd_dtype)
-    xd, wd = dequantize(quantize(x, sx, fwd_dtype), sx), dequantize(quantize(w, sw, fwd_dtype), sw)
-    return jnp.dot(xd, wd, precision=lax.Precision.HIGHEST).astype(x.dtype)

@@ -5,6 +5,7 @@ import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mjax.checkpoint import Checkpointer, position_data
@@ -110,8 +111,10 @@ def _log_startup(setup: Setup, state, flops):
     a, s = setup.abstract_state, setup.state_sharding
     params_b = bytes_per_device(a.params, s.params)
     opt_b = bytes_per_device(a.opt_state, s.opt_state)
+    grads_b = bytes_per_device(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), a.params),
+                               s.params)  # accumulated in fp32 whatever --params_dtype is (train/step.py)
     log.info("per device: params %s, optimizer state %s, gradients %s (fp32, sharded as params)%s",
-             _gib(params_b), _gib(opt_b), _gib(params_b),
+             _gib(params_b), _gib(opt_b), _gib(grads_b),
              " [ZeRO-1: optimizer state split over data]" if cfg.parallel.use_distributed_optimizer else "")
 
 
