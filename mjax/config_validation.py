@@ -167,8 +167,8 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
         if cfg.parallel.pp > 1:
             raise ConfigError("--first_last_layers_bf16 is not supported with --pp > 1 yet")
     if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
-        raise ConfigError("--fp8_recipe with --pp > 1 is not supported yet (the FP8 scaling state is not split over "
-                          "pipeline stages); use --pp=1")
+        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with --pp={cfg.parallel.pp} is not supported yet: the "
+                          "pipeline stages do not carry the FP8 scaling state; drop one of them")
     if pr.quantize_output_layer and m.cross_entropy_impl == "fused":
         raise ConfigError("--quantize_output_layer needs --cross_entropy_impl=reference (the fused output layer "
                           "computes in compute_dtype)")

@@ -10,7 +10,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from mjax.train.loop import NonFiniteError, build, train
 from mjax.train.state import LossScale
-from mjax.train.step import make_train_step
+from mjax.train.step import make_eval_step, make_train_step
 from tests.train_utils import pattern_batches, tiny_config
 
 
@@ -168,6 +168,23 @@ def test_fused_cross_entropy_never_holds_the_whole_logits():
     logits_bytes = 16 * 256 * 8192 * 4  # fp32 [batch, seq, vocab]
     reference, fused = temp_bytes("reference"), temp_bytes("fused")
     assert reference > logits_bytes and fused < reference - logits_bytes // 2, (reference, fused)
+
+
+def test_evaluation_follows_cross_entropy_impl():
+    """The eval step takes the fused loss too: the same loss sums, without the whole logits."""
+    def eval_run(impl):
+        cfg = tiny_config(model=dict(vocab_size=8192, cross_entropy_impl=impl, cross_entropy_chunk=32),
+                          train=dict(global_batch_size=16, seq_length=256))
+        setup = build(cfg, jax.devices()[:1])
+        params = setup.init_state(0).params
+        batch = {k: jnp.asarray(v) for k, v in next(pattern_batches(cfg)).items()}
+        step = jax.jit(make_eval_step(setup.model, cfg)).lower(params, batch).compile()
+        return [float(x) for x in step(params, batch)], step.memory_analysis().temp_size_in_bytes
+
+    (ref_sums, ref_temp), (fused_sums, fused_temp) = eval_run("reference"), eval_run("fused")
+    np.testing.assert_allclose(fused_sums, ref_sums, rtol=1e-5)
+    logits_bytes = 16 * 256 * 8192 * 4
+    assert ref_temp > logits_bytes and fused_temp < ref_temp - logits_bytes // 2, (ref_temp, fused_temp)
 
 
 def test_attn_core_policy_keeps_the_cudnn_forward_only_when_named():

@@ -12,20 +12,28 @@ from mjax.train import fp8_state
 from mjax.train.state import TrainState
 
 
-def token_losses(model, params, batch, z_loss_coeff: float, use_segments: bool, fp8=None):
-    """Per-token loss [B, T] (fp32) of one micro-batch, and the per-token log Z. Segment ids reach attention only
-    when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
+def hidden_states(model, params, micro, use_segments: bool, fp8=None):
+    """(bound module, final hidden states [B, T, D]) of one micro-batch. Segment ids reach attention only when
+    documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
     fp8: the FP8 scales (TrainState.fp8.scales) when the model has FP8 layers."""
-    segments = batch.get("segment_ids") if use_segments else None
     module = model.bind(params, fp8 or None)
-    return head_losses(module, module.hidden_states(batch["inputs"], batch.get("positions"), segments), batch,
-                       z_loss_coeff)
+    segments = micro.get("segment_ids") if use_segments else None
+    return module, module.hidden_states(micro["inputs"], micro.get("positions"), segments)
 
 
-def head_losses(module, h, batch, z_loss_coeff: float):
-    """Final hidden states [B, T, D] -> per-token loss [B, T] and log Z [B, T]."""
-    return cross_entropy_reference(module.logits(h), batch["targets"], vocab_size=module.cfg.vocab_size,
-                                   z_loss_coeff=z_loss_coeff)
+@jax.named_scope("loss")
+def head_sums(module, h, micro, model_cfg, z_loss_coeff: float):
+    """(loss sum, z-loss sum) over a micro-batch's unmasked tokens, from the final hidden states [B, T, D], by
+    --cross_entropy_impl: `fused` never holds the whole fp32 logits."""
+    mask = micro["loss_mask"]
+    if model_cfg.cross_entropy_impl == "fused":
+        w, vocab_axis = module.output_weight()
+        return fused_cross_entropy_sums(h, w, micro["targets"], mask, vocab_axis=vocab_axis,
+                                        vocab_size=model_cfg.vocab_size, z_loss_coeff=z_loss_coeff,
+                                        chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype)
+    loss, log_z = cross_entropy_reference(module.logits(h), micro["targets"], vocab_size=model_cfg.vocab_size,
+                                          z_loss_coeff=z_loss_coeff)
+    return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
 
 
 def make_train_step(model, cfg, tx, schedule):
@@ -37,23 +45,12 @@ def make_train_step(model, cfg, tx, schedule):
     stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
     use_segments = cfg.data.reset_attention_mask
 
-    def sums(loss, log_z, micro):  # (loss sum, z sum) of a micro-batch's unmasked tokens
-        mask = micro["loss_mask"]
-        return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
-
-    @jax.named_scope("loss")
-    def head_sums(module, h, micro):  # (loss sum, z sum) from the final hidden states [B, T, D]
-        if cfg.model.cross_entropy_impl == "fused":
-            w, vocab_axis = module.output_weight()
-            return fused_cross_entropy_sums(h, w, micro["targets"], micro["loss_mask"], vocab_axis=vocab_axis,
-                                            vocab_size=cfg.model.vocab_size, z_loss_coeff=z_coeff,
-                                            chunk=cfg.model.cross_entropy_chunk, compute_dtype=module.dtype)
-        return sums(*head_losses(module, h, micro, z_coeff), micro)
+    def micro_sums(module, h, micro):  # (loss sum, z sum); also what each pipeline stage's head computes
+        return head_sums(module, h, micro, cfg.model, z_coeff)
 
     def micro_loss(params, fp8_scales, micro, denom, scale):
-        module = model.bind(params, fp8_scales or None)
-        segments = micro.get("segment_ids") if use_segments else None
-        total, z = head_sums(module, module.hidden_states(micro["inputs"], micro.get("positions"), segments), micro)
+        module, h = hidden_states(model, params, micro, use_segments, fp8_scales)
+        total, z = micro_sums(module, h, micro)
         return total * scale / denom, (total, z)
 
     @jax.named_scope("optimizer")
@@ -82,7 +79,7 @@ def make_train_step(model, cfg, tx, schedule):
         pipeline_metrics = {}
         if cfg.parallel.pp > 1:  # the micro-batches stream through pipeline stages instead
             grads, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"] = pipeline.loss_and_grads(
-                model, cfg.parallel, state.params, batch, head_sums, scale / denom, use_segments)
+                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             init = (zeros, jax.tree.map(jnp.zeros_like, fp8_scales), jnp.zeros((), jnp.float32),
@@ -124,13 +121,11 @@ def make_train_step(model, cfg, tx, schedule):
 
 def make_eval_step(model, cfg):
     def masked_sums(module, h, batch):  # (loss sum, token count) from the final hidden states [B, T, D]
-        loss, _ = head_losses(module, h, batch, 0.0)
-        return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
+        return head_sums(module, h, batch, cfg.model, 0.0)[0], jnp.sum(batch["loss_mask"])
 
     def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
         if cfg.parallel.pp > 1:  # through the stages, rather than gathering every layer onto every device
             return pipeline.loss_sums(model, cfg.parallel, params, batch, masked_sums, cfg.data.reset_attention_mask)
-        loss, _ = token_losses(model, params, batch, 0.0, cfg.data.reset_attention_mask, fp8)
-        return jnp.sum(loss * batch["loss_mask"]), jnp.sum(batch["loss_mask"])
+        return masked_sums(*hidden_states(model, params, batch, cfg.data.reset_attention_mask, fp8), batch)
 
     return eval_step
