@@ -22,11 +22,8 @@ import jax.numpy as jnp
 
 from mjax.checkpoint import Checkpointer
 from mjax.config import load_config
-from mjax.model import logical_sharding
-from mjax.parallel.rules import logical_rules
 from mjax.train.benchmark import synthetic_batch
 from mjax.train.loop import build
-from mjax.train.step import make_train_step
 
 
 def _blocked(fn, *args):
@@ -58,11 +55,7 @@ def main():
     setup = build(cfg)
     state, init_s = _blocked(setup.init_state, cfg.train.seed)
     batch = synthetic_batch(cfg, setup)
-    with logical_sharding(setup.mesh, logical_rules(cfg)):
-        step_fn = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
-                          in_shardings=(setup.state_sharding, setup.batch_sharding),
-                          out_shardings=(setup.state_sharding, None), donate_argnums=0)
-        compiled = step_fn.lower(state, batch).compile()
+    compiled, _ = setup.compile_step(state, batch)
     step, times = 0, []
 
     def train_step():

@@ -221,3 +221,15 @@ def test_pallas_attention_inside_pipeline_stages_matches_single_device(single_de
     np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(single_device[1]))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_train_loop_logs_the_counted_bubble():
+    from mjax.train.loop import train  # noqa: PLC0415
+
+    cfg = _config(dict(pp=2, pipeline_schedule="1f1b"), 2).replace(
+        train=dict(train_iters=2), data=dict(mock_data=True), logging=dict(log_interval=1, progress=False))
+    from mjax.config_validation import resolve_batch  # noqa: PLC0415
+
+    micro = resolve_batch(cfg, jax.device_count())[2]
+    record = train(cfg).history[-1]
+    assert record["pipeline_bubble"] == pytest.approx(pipeline.bubble_fraction("1f1b", 2, 1, micro), abs=1e-6)

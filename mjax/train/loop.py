@@ -235,6 +235,7 @@ def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, comp
         "peak_memory_bytes": peak_memory_bytes(),
         "skipped_steps": int(state.skipped_steps),
         "compile_s": compile_s,
+        **({"pipeline_bubble": float(metrics["pipeline_bubble"])} if "pipeline_bubble" in metrics else {}),
         **_fp8_record(metrics, cfg),
     }
 
