@@ -46,9 +46,10 @@ class Profile:
         for title, table in (("kind", self.by_kind), ("model part", self.by_scope)):
             lines.append(f"  by {title}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in _desc(table)))
         if self.by_kind.get("collective"):
-            lines.append(f"  collectives: {self.by_kind['collective']:.1f} ms, of which {self.exposed_collective_ms:.1f}"
-                         " ms with no compute kernel running (not overlapped)")
-        lines.append(f"  HLO ops found for {self.matched:.0%} of the time; not found e.g. {self.unmatched_examples[:3]}")
+            lines.append(f"  collectives: {self.by_kind['collective']:.1f} ms, of which "
+                         f"{self.exposed_collective_ms:.1f} ms with no compute kernel running (not overlapped)")
+        lines.append(f"  HLO ops found for {self.matched:.0%} of the time; "
+                     f"not found e.g. {self.unmatched_examples[:3]}")
         lines.append(f"  {'kernel':<48} {'kind':>10} {'part':>10} {'ms/step':>8} {'calls':>6}  HLO op")
         for name, kind, scope, ms, calls, op in self.top_kernels:
             lines.append(f"  {name[:48]:<48} {kind:>10} {scope:>10} {ms:>8.2f} {calls:>6.0f}  {op}")
