@@ -98,13 +98,32 @@ def test_fp4_matmul_grads_close_to_exact(recipe, hadamard, impl):
     assert got[1].dtype == w.dtype and got[0].dtype == x.dtype
 
 
-def test_fp4_matmul_backward_quantizes_its_operands():
-    """dgrad equals the product of the separately quantized grad and weight (both along N)."""
-    x = jnp.asarray(_data((32, 64), seed=5)).astype(jnp.bfloat16)
-    w = jnp.asarray(_data((64, 32), seed=6)) * 0.1
-    g = jnp.asarray(_data((32, 32), seed=7)).astype(jnp.bfloat16)
-    spec = fp4.Fp4Spec("mxfp4")
-    dx = jax.jit(lambda x, w, g: jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)[1](g)[0])(x, w, g)
-    gq = _np_fake_quant(np.asarray(g, np.float32), "mxfp4")
-    wq = _np_fake_quant(np.asarray(w.astype(jnp.bfloat16), np.float32), "mxfp4")  # quantized along N
-    np.testing.assert_allclose(np.asarray(dx, np.float32), gq @ wq.T, rtol=2e-2, atol=1e-2)
+@pytest.mark.parametrize("recipe,hadamard,impl", [("mxfp4", False, "xla"), ("nvfp4", False, "xla"),
+                                                  ("nvfp4", True, "pallas"), ("mxfp4", True, "pallas")])
+def test_fp4_matmul_gemms_are_products_of_separately_quantized_operands(recipe, hadamard, impl):
+    """Forward (x and w along K), dgrad (g and w along N) and wgrad (x and g along M, after the random Hadamard
+    transform of 16-row groups when asked) against NumPy products of the oracle's quantized operands."""
+    rng = np.random.default_rng(5)  # rows of different magnitude; no outlier, whose bf16 rounding would dominate
+    x = jnp.asarray(rng.standard_normal((32, 64)) * np.exp(rng.standard_normal((32, 1))), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((32, 32)) * np.exp(rng.standard_normal((32, 1))), jnp.bfloat16)
+    spec = fp4.Fp4Spec(recipe, hadamard, impl, interpret=True)
+    y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
+    dx, dw = vjp(g)
+
+    def q(a, axis):  # the oracle, blocks along `axis`
+        a = np.asarray(a, np.float32)
+        return (_np_fake_quant(a, recipe) if axis == 1 else _np_fake_quant(a.T, recipe).T).astype(np.float64)
+
+    xn, gn = np.asarray(x, np.float32), np.asarray(g, np.float32)
+    wn = np.asarray(w.astype(jnp.bfloat16), np.float32)
+    xt, gt = xn, gn
+    if hadamard:  # an independent block-diagonal form of the transform
+        big = np.kron(np.eye(xn.shape[0] // 16), fp4.hadamard_matrix())
+        xt = np.asarray(jnp.asarray(big @ xn, jnp.bfloat16), np.float32)  # the transform returns x's dtype
+        gt = np.asarray(jnp.asarray(big @ gn, jnp.bfloat16), np.float32)
+    for name, got, want in (("y", y, q(xn, 1) @ q(wn, 0)), ("dx", dx, q(gn, 1) @ q(wn, 1).T),
+                            ("dw", dw, q(xt, 0).T @ q(gt, 0))):
+        # Normwise: within 0.5% here; skipping a quantization or quantizing along the wrong axis is off by 12-22%.
+        got = np.asarray(got, np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, name
