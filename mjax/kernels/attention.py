@@ -74,14 +74,7 @@ def reference_attention(q, k, v, *, causal=True, sliding_window=None, segment_id
 
 
 def _cudnn_attention(q, k, v, *, causal, sliding_window, segment_ids, scale, return_lse):
-    if segment_ids is not None:
-        raise AttentionUnsupported(
-            "attention_impl=cudnn cannot mask packed documents (segment ids); use --attention_impl=pallas "
-            "or turn off --reset_attention_mask")
-    if return_lse:
-        raise AttentionUnsupported("attention_impl=cudnn does not return the log-sum-exp; use pallas")
-    if sliding_window is not None and not causal:
-        raise AttentionUnsupported("attention_impl=cudnn has only a causal sliding window; use pallas")
+    del segment_ids, return_lse  # None / False: the capability table (why_unsupported) sends those calls elsewhere
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=window,
                                         implementation="cudnn")

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import ATTN_CORE, AttentionUnsupported
 from mjax.kernels.flash_backward import flash_backward
-from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret
+from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret, pow2_at_least
 from mjax.kernels.flash_forward import flash_forward
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -68,7 +68,7 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=No
     scale = float(h**-0.5 if scale is None else scale)
     interpret = default_interpret() if interpret is None else bool(interpret)
 
-    hp = max(16, 1 << (h - 1).bit_length())  # Triton tiles are powers of two
+    hp = pow2_at_least(h)  # Triton tiles are powers of two
     blocks = (block_sizes or default_block_sizes(hp)).clamp(t, s)
     tp = -(-t // blocks.q_multiple) * blocks.q_multiple
     sp = -(-s // blocks.k_multiple) * blocks.k_multiple

@@ -53,7 +53,7 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f.name}={value} must be a power of two >= 16")
 
     def clamp(self, q_len: int, kv_len: int) -> "BlockSizes":
-        tq, tk = _pow2_at_least(q_len), _pow2_at_least(kv_len)
+        tq, tk = pow2_at_least(q_len), pow2_at_least(kv_len)
         return dataclasses.replace(
             self, block_q=min(self.block_q, tq), block_k=min(self.block_k, tk),
             block_q_dq=min(self.block_q_dq, tq), block_k_dq=min(self.block_k_dq, tk),
@@ -79,7 +79,7 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
                       block_q_dkv=64, block_k_dkv=64, num_warps_dkv=8, num_stages_dkv=1)
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
@@ -249,10 +249,6 @@ def default_interpret() -> bool:
 # jax 0.11+ warns on every Triton-lowered pallas_call that the backend is deprecated in favour of Mosaic GPU. We
 # choose Triton on purpose (docs/kernels.md says why); keep that one message out of every training log.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
-
-
-__all__ = ["BlockSizes", "MaskSpec", "default_block_sizes", "run_blocks", "dot", "compiler_params", "pl",
-           "LOG2E", "LN2", "default_interpret"]
 
 
 def query_block_segment_inputs(q_seg, kv_seg, bq: int, bk: int, sp: int, nq: int):
