@@ -63,7 +63,7 @@ class ModelConfig:
     # Default: every matmul output and the attention kernel's results are kept, only elementwise work (norms,
     # RoPE, SwiGLU product) is recomputed: the fastest selective set measured on an H200 (docs/performance.md).
     remat_save_names: tuple[str, ...] = _field(
-        ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_gate", "mlp_up", "mlp_out"),
+        ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_up", "mlp_out"),
         help="With remat_policy=selective: named activations kept; everything else is recomputed.")
     scan_layers: bool = _field(True, help="Run the layer stack with lax.scan (one compiled layer).")
     # Mixture of experts (data for presets; the MoE layers arrive with the MoE work).

@@ -3,7 +3,7 @@
 from mjax.config import Config, ConfigError
 from mjax.kernels import attention, fp8, quant
 
-REMAT_NAMES = ("qkv_proj", attention.ATTN_CORE, "attn_context", "attn_out", "mlp_gate", "mlp_up", "mlp_hidden",
+REMAT_NAMES = ("qkv_proj", attention.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden",
                "mlp_out", "norm", fp8.FP8_CAST)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -28,8 +28,8 @@ def test_sweep_grid_and_field_names():
 
 def test_sweep_tuple_fields_and_xla_options():
     cfg, options = benchmark.apply_case(load_config("tiny"), {
-        "remat_save_names": "mlp_gate+mlp_up", "xla": "xla_gpu_enable_triton_gemm:false+xla_dump_max_hlo_modules:3"})
-    assert cfg.model.remat_save_names == ("mlp_gate", "mlp_up")
+        "remat_save_names": "mlp_up+mlp_out", "xla": "xla_gpu_enable_triton_gemm:false+xla_dump_max_hlo_modules:3"})
+    assert cfg.model.remat_save_names == ("mlp_up", "mlp_out")
     assert options == {"xla_gpu_enable_triton_gemm": False, "xla_dump_max_hlo_modules": 3}
     assert benchmark.apply_case(load_config("tiny"), {"xla": "default"})[1] is None
     with pytest.raises(ConfigError, match="not name:value"):

@@ -93,8 +93,8 @@ def test_remat_policies_save_what_they_name():
     assert _saved_per_layer("full") == [(3, 2, 32, 64)]  # only each layer's input
     assert sorted(_saved_per_layer("selective")) == [(3, 2, 32, 64)] * 2  # + attn_out
     assert (3, 2, 32, 4, 16) in _saved_per_layer("selective", ("attn_context",))
-    ffn = tiny_config().model.ffn_hidden_size  # the SwiGLU gate and up projections, saved by name
-    assert sorted(_saved_per_layer("selective", ("mlp_gate", "mlp_up"))) == [(3, 2, 32, 64)] + [(3, 2, 32, ffn)] * 2
+    ffn = tiny_config().model.ffn_hidden_size  # the fused gate and up projection, saved whole by name
+    assert sorted(_saved_per_layer("selective", ("mlp_up",))) == [(3, 2, 32, 2, ffn), (3, 2, 32, 64)]
 
 
 def test_remat_attn_core_keeps_the_attention_kernel_results():

@@ -4,9 +4,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import dot_product_attention
-from mjax.model.layers import Linear, output_std
+from mjax.model.layers import Linear, fused_linear, output_std
 from mjax.model.rope import apply_rope, rope_frequencies
-from mjax.model.sharding import constrain
+from mjax.model.sharding import constrain, splits_evenly
 
 QKV_AXES = ("batch", "seq", None, "head_dim")
 
@@ -25,17 +25,29 @@ class Attention(nnx.Module):
                              use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, quant=quant,
                              rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids=None):
-        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""
+    def project_qkv(self, x, positions):
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied. One GEMM (Megatron's linear_qkv)
+        whose output is grouped per KV head, [B, T, K, N/K + 2, H], so that tensor parallelism splits it by
+        KV head like the separate projections; separate GEMMs when the KV heads are fewer than tp (replicated)."""
         cfg = self.cfg
-        q = constrain(self.q_proj(x), ("batch", "seq", "heads", "head_dim"))  # [B, T, N, H]
-        k = constrain(self.k_proj(x), ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, K, H]
-        v = constrain(self.v_proj(x), ("batch", "seq", "kv_heads", "head_dim"))
+        n, k, h = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if splits_evenly("kv_heads", k):
+            q, k_, v = fused_linear(x, parts, ((k, n // k, h), (k, 1, h), (k, 1, h)), axis=1)
+        else:
+            q, k_, v = (p(x) for p in parts)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))  # [B, T, N, H]
+        k_ = constrain(k_, ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, K, H]
+        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cfg.position_embedding_type == "rope":
             inv_freq = rope_frequencies(cfg)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
-        out = dot_product_attention(q, k, v, causal=True, sliding_window=cfg.sliding_window,
-                                    segment_ids=segment_ids, impl=cfg.attention_impl)  # [B, T, N, H]
+            q, k_ = apply_rope(q, positions, inv_freq), apply_rope(k_, positions, inv_freq)
+        return q, k_, v
+
+    def __call__(self, x, positions, segment_ids=None):
+        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""
+        q, k, v = (checkpoint_name(t, "qkv_proj") for t in self.project_qkv(x, positions))
+        out = dot_product_attention(q, k, v, causal=True, sliding_window=self.cfg.sliding_window,
+                                    segment_ids=segment_ids, impl=self.cfg.attention_impl)  # [B, T, N, H]
         out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attn_context")
         return checkpoint_name(self.o_proj(out), "attn_out")

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mjax.model.rope import apply_rope, rope_frequencies
 
 
 def init_cache(cfg, batch: int, max_len: int, dtype=jnp.float32) -> dict:
@@ -41,10 +40,7 @@ def _write(cache, new, start):  # cache [B, S, K, H], new [B, T, K, H], start [B
 
 def _attention(attn, x, positions, k_cache, v_cache):
     cfg = attn.cfg
-    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)  # [B, T, N, H], [B, T, K, H]
-    if cfg.position_embedding_type == "rope":
-        inv_freq = rope_frequencies(cfg)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q, k, v = attn.project_qkv(x, positions)  # [B, T, N, H], [B, T, K, H]
     k_cache, v_cache = _write(k_cache, k, positions[:, 0]), _write(v_cache, v, positions[:, 0])
     out = cached_attention(q, k_cache, v_cache, positions, cfg.sliding_window)  # [B, T, N, H]
     return attn.o_proj(out), k_cache, v_cache  # [B, T, D]

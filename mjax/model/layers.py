@@ -7,7 +7,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.quant import initial_meta, quantized_matmul
 from mjax.model.sharding import param
@@ -36,18 +38,59 @@ class Linear(nnx.Module):
         self.fp8_meta = Fp8Meta(initial_meta(), logical_axes=(None,)) if quant and quant.has_fp8_meta else None
 
     def __call__(self, x):
-        if self.quant is None:
-            y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.n_in)
-        else:
-            kernel = self.kernel[...]
-            in_shape, out_shape = kernel.shape[:self.n_in], kernel.shape[self.n_in:]
-            k = math.prod(in_shape)
-            meta = None if self.fp8_meta is None else self.fp8_meta[...]
-            y = quantized_matmul(self.quant, x.astype(self.dtype).reshape(-1, k), kernel.reshape(k, -1), meta)
-            y = y.reshape(x.shape[:x.ndim - self.n_in] + out_shape)  # [M, N] -> [..., out...]
+        meta = None if self.fp8_meta is None else self.fp8_meta[...]
+        y = _matmul(x, self.kernel[...], self.n_in, self.dtype, self.quant, meta)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def _matmul(x, kernel, n_in, dtype, quant, meta):
+    """x [..., in...] @ kernel [in..., out...] -> [..., out...] in `dtype`, through the precision policy."""
+    if quant is None:
+        return jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=n_in)
+    in_shape, out_shape = kernel.shape[:n_in], kernel.shape[n_in:]
+    k = math.prod(in_shape)
+    y = quantized_matmul(quant, x.astype(dtype).reshape(-1, k), kernel.reshape(k, -1), meta)
+    return y.reshape(x.shape[:x.ndim - n_in] + out_shape)  # [M, N] -> [..., out...]
+
+
+def fused_linear(x, parts, out_shapes, axis: int, name: str | None = None):
+    """One GEMM for several Linears that read the same x (Megatron's fused QKV and gate/up projections).
+
+    Each part's kernel, viewed as in_shape + out_shapes[i], is concatenated with the others along out axis `axis`;
+    the product is split back and each part's output returned in its own out shape. The math is that of calling
+    each part; what changes is one larger GEMM, one quantization of x and one dx (no sum of partial input
+    gradients). The parameters stay separate, so checkpoints, conversion and sharding rules see no difference: the
+    concatenation fuses into the per-step cast of the weights. `name` (a remat name) labels the fused product.
+    """
+    first = parts[0]
+    if any((p.n_in, p.dtype, p.quant, p.bias is None) != (first.n_in, first.dtype, first.quant, first.bias is None)
+           for p in parts):
+        raise ValueError("fused_linear: parts differ in input rank, dtype, precision policy or bias")
+    n_in, lead = first.n_in, x.ndim - first.n_in
+    kernel = jnp.concatenate([p.kernel[...].reshape(p.kernel.shape[:n_in] + s) for p, s in zip(parts, out_shapes)],
+                             axis=n_in + axis)  # [in..., fused out...]
+    meta = None if first.fp8_meta is None else shared_meta(jnp.stack([p.fp8_meta[...] for p in parts]))
+    y = _matmul(x, kernel, n_in, first.dtype, first.quant, meta)  # [..., fused out...]
+    if first.bias is not None:
+        y = y + jnp.concatenate([p.bias[...].reshape(s) for p, s in zip(parts, out_shapes)], axis).astype(y.dtype)
+    if name is not None:
+        y = checkpoint_name(y, name)
+    bounds = np.cumsum([s[axis] for s in out_shapes])[:-1]
+    return [t.reshape(x.shape[:lead] + p.kernel.shape[n_in:])  # [..., part out...]
+            for t, p in zip(jnp.split(y, bounds, axis=lead + axis), parts)]
+
+
+@jax.custom_vjp
+def shared_meta(metas):
+    """FP8 scales [3] of a fused GEMM from its parts' [n, 3]: the smallest (none of the parts overflows). Each part
+    observes the fused GEMM's amaxes (its meta's gradient), so delayed scaling keeps the parts' histories equal."""
+    return jnp.min(metas, axis=0)
+
+
+shared_meta.defvjp(lambda metas: (jnp.min(metas, axis=0), metas.shape[0]),
+                   lambda n, observed: (jnp.broadcast_to(observed, (n,) + observed.shape),))
 
 
 def without_quant(module):

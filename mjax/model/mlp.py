@@ -4,7 +4,7 @@ import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.model.layers import Linear, output_std
+from mjax.model.layers import Linear, fused_linear, output_std
 from mjax.model.sharding import constrain
 
 
@@ -20,10 +20,11 @@ class MLP(nnx.Module):
         self.down_proj = Linear((f,), (d,), in_axes=("mlp",), out_axes=("embed",), std=output_std(cfg), **common)
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
-        up = checkpoint_name(self.up_proj(x), "mlp_up")  # [B, T, F]
-        if self.gated:
-            h = jax.nn.silu(checkpoint_name(self.gate_proj(x), "mlp_gate")) * up
+        if self.gated:  # one GEMM for gate and up (Megatron's linear_fc1), output [B, T, 2, F]
+            f = self.up_proj.kernel.shape[-1]
+            gate, up = fused_linear(x, (self.gate_proj, self.up_proj), ((1, f), (1, f)), axis=0, name="mlp_up")
+            h = jax.nn.silu(gate) * up  # [B, T, F]
         else:
-            h = jax.nn.gelu(up, approximate=True)
+            h = jax.nn.gelu(checkpoint_name(self.up_proj(x), "mlp_up"), approximate=True)
         h = checkpoint_name(constrain(h, ("batch", "seq", "mlp")), "mlp_hidden")
         return checkpoint_name(self.down_proj(h), "mlp_out")

@@ -6,6 +6,7 @@ set with `logical_sharding(mesh, rules)` (done by mjax.parallel, never by model 
 
 import contextlib
 import contextvars
+import math
 
 import flax
 import jax
@@ -54,6 +55,15 @@ def logical_sharding(mesh, rules: dict):
 def current_logical_sharding():
     """The (mesh, rules) set by `logical_sharding`, or None."""
     return _CONTEXT.get()
+
+
+def splits_evenly(name: str, size: int) -> bool:
+    """Whether a dim of `size` with logical name `name` divides over its mesh axes (True when no mesh is set)."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return True
+    mesh, rules = ctx
+    return size % math.prod(mesh.shape[a] for a in rules.get(name) or ()) == 0
 
 
 def constrain(x, axes: tuple[str | None, ...]):
