@@ -11,6 +11,7 @@ Sections, in priority order, each saved to the JSON as soon as it ends (a timeou
   gemm    8192^3: the bf16 GEMM ceiling and the FP8 one (quantized operands straight into dot_general), the
           blockwise Pallas GEMM (a few tile shapes), then one linear layer's forward + dgrad + wgrad per recipe,
           quantization included, against bf16's three GEMMs
+  quant   the quantization passes around a GEMM (amax, cast, transposed copy) in GB/s against a copy's
   hlo2    delayed / blockwise / nvfp4 train steps of the small model: which GEMM kernels each compiles to
 """
 
@@ -201,6 +202,40 @@ def gemm_section(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- quantization passes
+
+def quant_section(args) -> dict:
+    """The memory-bound work FP8 adds around each GEMM, on one [32768, 8192] bf16 activation (8 x 4096 tokens of a
+    3B MLP): bytes moved per pass against a plain copy's rate measured in the same run."""
+    m, n = (1024, 512) if args.smoke else (32768, 8192)
+    x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
+    scale = jnp.float32(100.0)
+    rows = []
+    cases = [  # name, fn, bytes moved per element
+        ("copy x * 2 (ceiling)", lambda x: x * 2, 4),
+        ("amax: max(abs(x))", lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32), 2),
+        ("amax: row maxima, then their max", lambda x: jnp.max(jnp.max(jnp.abs(x), axis=-1)).astype(jnp.float32), 2),
+        ("quantize with a given scale", lambda x: quantize(x, scale, E4M3), 3),
+        ("quantize + transposed copy", lambda x: (lambda q: (q, q.T))(quantize(x, scale, E4M3)), 4),
+        ("tensorwise: amax, then quantize", lambda x: quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32),
+                                                              E4M3), 5),
+        ("delayed: quantize and amax in one pass",
+         lambda x: (quantize(x, scale, E4M3), jnp.max(jnp.abs(x)).astype(jnp.float32)), 3),
+    ]
+    ceiling = None
+    for name, fn, per_elem in cases:
+        try:
+            t = time_fn(jax.jit(fn), x)
+            gbs = per_elem * m * n / t / 1e9
+            ceiling = ceiling or gbs
+            row = {"case": name, "us": round(t * 1e6, 1), "GB/s": round(gbs), "of_copy": round(gbs / ceiling, 3)}
+        except Exception as e:  # noqa: BLE001
+            row = {"case": name, "error": f"{type(e).__name__}: {e}"[:1500]}
+        rows.append(row)
+        print(f"[{elapsed():6.1f}s] quant {row}", flush=True)
+    return {"shape": [m, n], "rows": rows}
+
+
 # ---------------------------------------------------------------- end to end
 
 def e2e_section(args, results, save) -> dict:
@@ -283,6 +318,7 @@ def main():
         ("fp4_fold", fp4_fold_check),
         ("e2e", lambda: e2e_section(args, results, save)),
         ("gemm", lambda: gemm_section(args)),
+        ("quant", lambda: quant_section(args)),
         ("hlo2", lambda: hlo_section(args, {"delayed": dict(fp8_recipe="delayed"),
                                             "blockwise": dict(fp8_recipe="blockwise"),
                                             "nvfp4": dict(fp4_recipe="nvfp4")})),

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import sys
 
 from absl import app, flags
@@ -125,6 +126,7 @@ def main(argv):
         try:
             hlo = None
             if FLAGS.hlo_dir:
+                os.makedirs(FLAGS.hlo_dir, exist_ok=True)
                 safe = "".join(c if c.isalnum() else "_" for c in name)
                 hlo = f"{FLAGS.hlo_dir}/{cfg.model.name}_{len(devices)}dev_{safe}.hlo.txt.gz"
             results.append(run_case(name, cfg, FLAGS.steps, ceiling, devices, hlo, options, FLAGS.profile_steps))

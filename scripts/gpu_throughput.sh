@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# One-GPU throughput for docs/performance.md and docs/fp8.md: the llama3.2-1b and -3b presets next to the plain-JAX
-# baseline in the same run, where each step's device time goes (--profile_steps), and the 3B preset in FP8.
+# One-GPU throughput for docs/performance.md and docs/fp8.md, most informative first (each run has its own
+# timeout, so a slow compile costs only its own row): the quantization passes against a copy's bandwidth, the 3B
+# preset in FP8 (profiled, its compiled HLO kept), the 1B preset next to the plain-JAX baseline in the same process,
+# the 3B bf16 step with the FP8 rows' remat set, then delayed scaling.
 # Run from the repo root on the GPU machine:  OUT=runs/gpu bash scripts/gpu_throughput.sh
+# Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
+OUT=${OUT:-runs/gpu}; LOGS=${LOGS:-/tmp/mjax_gpu_logs}; mkdir -p "$OUT" "$LOGS"
 PY=${PY:-python3}
 STEPS=${STEPS:-6}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-bench() {  # name, timeout, flags...: one benchmark run, its table printed, log and JSON kept
+status=0
+bench() {  # name, timeout, flags...: one benchmark run, its table printed, log in $LOGS, JSON in $OUT
   local name=$1 limit=$2; shift 2
   echo "== $name"
   timeout "$limit" $PY scripts/benchmark.py --num_devices=1 --global_batch_size=8 --steps=$STEPS \
-    --json_out="$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
-  echo "exit $?"; grep -v "^[WI]1" "$OUT/$name.log" | grep -A8 "matmul ceiling" | tail -8
+    --json_out="$OUT/$name.json" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?; echo "exit $rc"; [ $rc -eq 0 ] || status=1
+  grep -v "^[WI]1" "$LOGS/$name.log" | grep -A12 "matmul ceiling" | tail -12
 }
-bench llama3.2-1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
-bench llama3.2-3b ${T3B:-150} --config=llama3.2-3b --profile_steps=2
-# FP8 needs room for its residuals at 3B: the remat set without the gate/up projections, for both rows.
-KEEP=qkv_proj+attn_core+attn_context+attn_out+mlp_out
-bench llama3.2-3b_fp8 ${TFP8:-300} --config=llama3.2-3b --model.remat_save_names=$KEEP \
-  --sweep="fp8_recipe=none,tensorwise,delayed"
-# The same FP8 steps keeping their quantized operands (no amax/cast recompute in the backward).
-bench llama3.2-3b_fp8_cast ${TFP8:-300} --config=llama3.2-3b --model.remat_save_names=$KEEP+fp8_cast \
-  --sweep="fp8_recipe=tensorwise,delayed"
+timeout 60 $PY scripts/bench_fp8.py --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
+grep "quant {" "$LOGS/quant.log"
+# FP8 needs room for its residuals at 3B: the remat set without the gate/up projection; fp8_cast keeps the
+# quantized operands so the backward does not redo the amaxes and casts.
+KEEP=qkv_proj,attn_core,attn_context,attn_out,mlp_out
+bench 3b_fp8_tensorwise ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$KEEP,fp8_cast \
+  --fp8_recipe=tensorwise --profile_steps=1 --hlo_dir="$LOGS/hlo"
+bench 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
+bench 3b_bf16_keep ${T3B:-90} --config=llama3.2-3b --model.remat_save_names=$KEEP --profile_steps=1
+bench 3b_fp8_delayed ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$KEEP,fp8_cast \
+  --fp8_recipe=delayed --profile_steps=1
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
+exit $status

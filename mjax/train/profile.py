@@ -123,7 +123,7 @@ def _exposed_ns(intervals, cover):
     return sum((e - s) - sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in union) for s, e in intervals)
 
 
-def profile_step(run_step, steps: int, hlo_text: str, top: int = 25) -> Profile:
+def profile_step(run_step, steps: int, hlo_text: str, top: int = 40) -> Profile:
     """Traces `steps` calls of `run_step()` (which must block) and sums device time per kernel / kind / part."""
     import time  # noqa: PLC0415
 
