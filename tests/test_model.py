@@ -102,13 +102,20 @@ def test_packed_documents_equal_separate_runs(family):
     np.testing.assert_allclose(out[0, 5:], np.asarray(model.apply(params, docs[1][None]))[0], atol=1e-5)
 
 
-def test_scan_and_unrolled_layers_agree():
+def test_scan_and_unrolled_layers_agree_and_unrolled_gradients_are_concatenated():
     cfg = FAMILIES["llama3"]
     params = build_model(cfg).init(jax.random.key(0))
     tokens = np.arange(8)[None]
-    a = build_model(cfg).apply(params, tokens)
-    b = build_model(dataclasses.replace(cfg, scan_layers=False)).apply(params, tokens)
+    models = build_model(cfg), build_model(dataclasses.replace(cfg, scan_layers=False))
+    a, b = (m.apply(params, tokens) for m in models)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(p, tokens) ** 2))(params) for m in models]
+    for ga, gb in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-6)
+    # Per-layer gradients go into the stacked gradient by one concatenate, not by padding each to the whole stack
+    # and adding them up (L full-size additions).
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(models[1].apply(p, tokens))))(params))
+    assert " pad[" not in jaxpr and " concatenate[" in jaxpr
 
 
 def test_moe_presets_refuse_to_build_clearly():

@@ -94,7 +94,7 @@ def test_remat_policies_save_what_they_name():
     assert sorted(_saved_per_layer("selective")) == [(3, 2, 32, 64)] * 2  # + attn_out
     assert (3, 2, 32, 4, 16) in _saved_per_layer("selective", ("attn_context",))
     ffn = tiny_config().model.ffn_hidden_size  # the fused gate and up projection, saved whole by name
-    assert sorted(_saved_per_layer("selective", ("mlp_up",))) == [(3, 2, 32, 2, ffn), (3, 2, 32, 64)]
+    assert sorted(_saved_per_layer("selective", ("mlp_up",))) == [(3, 2, 32, 64), (3, 2, 32, ffn, 2)]
 
 
 def test_remat_attn_core_keeps_the_attention_kernel_results():

@@ -20,9 +20,12 @@ class MLP(nnx.Module):
         self.down_proj = Linear((f,), (d,), in_axes=("mlp",), out_axes=("embed",), std=output_std(cfg), **common)
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
-        if self.gated:  # one GEMM for gate and up (Megatron's linear_fc1), output [B, T, 2, F]
+        if self.gated:
+            # One GEMM for gate and up (Megatron's linear_fc1), their columns interleaved, output [B, T, F, 2]: the
+            # SwiGLU backward writes each (gate, up) gradient pair next to each other, reading its inputs once (with
+            # [B, T, 2, F] XLA's concatenate of the two gradients read them twice: 2x the time).
             f = self.up_proj.kernel.shape[-1]
-            gate, up = fused_linear(x, (self.gate_proj, self.up_proj), ((1, f), (1, f)), axis=0, name="mlp_up")
+            gate, up = fused_linear(x, (self.gate_proj, self.up_proj), ((f, 1), (f, 1)), axis=1, name="mlp_up")
             h = jax.nn.silu(gate) * up  # [B, T, F]
         else:
             h = jax.nn.gelu(checkpoint_name(self.up_proj(x), "mlp_up"), approximate=True)
