@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mjax.config import load_config
@@ -10,7 +11,7 @@ from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
 from mjax.kernels.quant import QuantPolicy
 from mjax.model.attention import Attention
 from mjax.model.layers import Fp8Meta, Linear, fused_linear
-from mjax.model.mlp import MLP
+from mjax.model.mlp import MLP, swiglu_pairs
 from mjax.model.rope import apply_rope, rope_frequencies
 
 
@@ -72,3 +73,18 @@ def test_fused_fp8_gemm_uses_the_smallest_scale_and_reports_its_amaxes_to_every_
     amaxes = [g.fp8_meta[...] for g in grads]
     np.testing.assert_array_equal(amaxes[0], amaxes[1])
     np.testing.assert_allclose(amaxes[0][:2], [jnp.abs(x).max(), jnp.abs(w).max()], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_swiglu_pairs_gradient_matches_autodiff_in_fp32(dtype):
+    """16-bit pairs take the packed backward (each pair one 32-bit word); fp32 takes autodiff."""
+    y = (_x((4, 16, 24, 2), 4) * 2).astype(dtype)
+    dh = _x((4, 16, 24), 5).astype(dtype)
+    got_y, vjp = jax.vjp(swiglu_pairs, y)
+    want_y, want_vjp = jax.vjp(lambda y: jax.nn.silu(y[..., 0]) * y[..., 1], y.astype(jnp.float32))
+    tol = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-6}[dtype]
+    np.testing.assert_allclose(np.asarray(got_y, np.float32), want_y, rtol=tol, atol=tol)
+    got, want = np.asarray(vjp(dh)[0], np.float32), np.asarray(want_vjp(dh.astype(jnp.float32))[0])
+    assert got.shape == y.shape
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert np.abs(got[..., 0] - want[..., 1]).max() > 10 * tol  # the two halves are told apart

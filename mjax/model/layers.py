@@ -55,28 +55,34 @@ def _matmul(x, kernel, n_in, dtype, quant, meta):
     return y.reshape(x.shape[:x.ndim - n_in] + out_shape)  # [M, N] -> [..., out...]
 
 
-def fused_linear(x, parts, out_shapes, axis: int, name: str | None = None):
+def fused_product(x, parts, out_shapes, axis: int, name: str | None = None):
     """One GEMM for several Linears that read the same x (Megatron's fused QKV and gate/up projections).
 
     Each part's kernel, viewed as in_shape + out_shapes[i], is concatenated with the others along out axis `axis`;
-    the product is split back and each part's output returned in its own out shape. The math is that of calling
-    each part; what changes is one larger GEMM, one quantization of x and one dx (no sum of partial input
-    gradients). The parameters stay separate, so checkpoints, conversion and sharding rules see no difference: the
-    concatenation fuses into the per-step cast of the weights. `name` (a remat name) labels the fused product.
+    returns the product [..., fused out...]. The math is that of calling each part; what changes is one larger GEMM,
+    one quantization of x and one dx (no sum of partial input gradients). The parameters stay separate, so
+    checkpoints, conversion and sharding rules see no difference: the concatenation fuses into the per-step cast
+    of the weights. `name` (a remat name) labels the product.
     """
     first = parts[0]
     if any((p.n_in, p.dtype, p.quant, p.bias is None) != (first.n_in, first.dtype, first.quant, first.bias is None)
            for p in parts):
-        raise ValueError("fused_linear: parts differ in input rank, dtype, precision policy or bias")
-    n_in, lead = first.n_in, x.ndim - first.n_in
+        raise ValueError("fused_product: parts differ in input rank, dtype, precision policy or bias")
+    n_in = first.n_in
     kernel = jnp.concatenate([p.kernel[...].reshape(p.kernel.shape[:n_in] + s) for p, s in zip(parts, out_shapes)],
                              axis=n_in + axis)  # [in..., fused out...]
     meta = None if first.fp8_meta is None else shared_meta(jnp.stack([p.fp8_meta[...] for p in parts]))
     y = _matmul(x, kernel, n_in, first.dtype, first.quant, meta)  # [..., fused out...]
     if first.bias is not None:
         y = y + jnp.concatenate([p.bias[...].reshape(s) for p, s in zip(parts, out_shapes)], axis).astype(y.dtype)
-    if name is not None:
-        y = checkpoint_name(y, name)
+    return y if name is None else checkpoint_name(y, name)
+
+
+def fused_linear(x, parts, out_shapes, axis: int):
+    """`fused_product` split back into each part's output, in the part's own out shape."""
+    y = fused_product(x, parts, out_shapes, axis)
+    n_in = parts[0].n_in
+    lead = x.ndim - n_in
     bounds = np.cumsum([s[axis] for s in out_shapes])[:-1]
     return [t.reshape(x.shape[:lead] + p.kernel.shape[n_in:])  # [..., part out...]
             for t, p in zip(jnp.split(y, bounds, axis=lead + axis), parts)]
