@@ -163,8 +163,8 @@ def gemm_section(args) -> dict:
     record("e4m3 dequantized via f32 -> bf16 (XLA scale-fusion form)",
            jax.jit(lambda a, b, s: jnp.dot(a.astype(jnp.float32) * s, b.astype(jnp.float32) * s,
                                            preferred_element_type=jnp.bfloat16)), (xq, wq, jnp.float32(0.5)), 1, bf16)
-    aq, sa = fp8_blockwise.quantize_rows(x, E4M3)
-    bq, sb = fp8_blockwise.quantize_tiles(w, E4M3)
+    aq, sa, _ = fp8_blockwise.quantize_rows(x, E4M3)
+    bq, sb, _ = fp8_blockwise.quantize_tiles(w, E4M3)
     bq, sb = bq.T, fp8_blockwise.expand_cols(sb)  # [N, K]: K-major
     # H200, jax 0.11.2 (first run): 128x128 w8 s3 325 TF/s, 128x128 w4 s4 216, 128x256 w8 s3 203, 64x128 w4 s4 328.
     for tiles in (GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 4)):

@@ -25,7 +25,8 @@ def test_quantize_rows_and_tiles_match_numpy():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((8, 256)) * np.exp(rng.standard_normal((8, 1)) * 3)).astype(np.float32)
     x[1, :128] = 0.0  # an all-zero block keeps scale 1
-    q, s = jax.jit(bw.quantize_rows, static_argnums=1)(jnp.asarray(x), jnp.float8_e4m3fn)
+    q, s, amax = jax.jit(bw.quantize_rows, static_argnums=1)(jnp.asarray(x), jnp.float8_e4m3fn)
+    assert float(amax) == np.abs(x).max()
     _, sn = _np_quant_rows(x)
     np.testing.assert_allclose(np.asarray(s), sn, rtol=2.5e-7)  # XLA divides by 448 as a multiply: 1 ulp
     qn = (x.reshape(8, 2, 128) / np.asarray(s)[..., None]).astype(E4M3).reshape(8, 256)
@@ -33,7 +34,8 @@ def test_quantize_rows_and_tiles_match_numpy():
     assert np.asarray(s)[1, 0] == 1.0
 
     w = rng.standard_normal((256, 384)).astype(np.float32)
-    wq, ws = jax.jit(bw.quantize_tiles, static_argnums=1)(jnp.asarray(w), jnp.float8_e4m3fn)  # [256, 384], [2, 3]
+    wq, ws, w_amax = jax.jit(bw.quantize_tiles, static_argnums=1)(jnp.asarray(w), jnp.float8_e4m3fn)  # [256, 384]
+    assert float(w_amax) == np.abs(w).max()
     assert ws.shape == (2, 3)
     blocks = w.reshape(2, 128, 3, 128)
     np.testing.assert_allclose(np.asarray(ws), np.abs(blocks).max((1, 3)) / 448, rtol=2.5e-7)
@@ -44,8 +46,8 @@ def test_quantize_rows_and_tiles_match_numpy():
 
 def _operands(m=256, k=384, n=256, seed=0):
     ka, kb = jax.random.split(jax.random.key(seed))
-    a, sa = bw.quantize_rows(jax.random.normal(ka, (m, k)), jnp.float8_e4m3fn)
-    b, sb = bw.quantize_tiles(jax.random.normal(kb, (k, n)), jnp.float8_e4m3fn)
+    a, sa, _ = bw.quantize_rows(jax.random.normal(ka, (m, k)), jnp.float8_e4m3fn)
+    b, sb, _ = bw.quantize_tiles(jax.random.normal(kb, (k, n)), jnp.float8_e4m3fn)
     return a, sa, b.T, bw.expand_cols(sb)  # B passed transposed, [N, K]
 
 
@@ -138,3 +140,12 @@ def test_blockwise_matmul_forward_dgrad_wgrad_match_a_numpy_oracle(impl):
         # XLA's scales can sit 1 ulp from NumPy's (it divides by 448 as a multiply), now and then flipping an FP8
         # rounding: worst rows ~2.5e-2 here. One scale per tensor gives 0.15 on the forward alone.
         assert rows.max() < 5e-2, (name, rows.max())
+
+
+def test_blockwise_reports_the_tensor_amaxes_of_x_w_and_grad():
+    """The meta's gradient is (amax x, amax w, amax grad), taken from the block amaxes the quantization computes."""
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x, w = jax.random.normal(kx, (256, 128)) * 3, jax.random.normal(kw, (128, 256)) * 0.1
+    g = jax.random.normal(kg, (256, 256)) * 1e-3
+    _, vjp = jax.vjp(lambda m: bw.blockwise_matmul(x, w, m, bw.BlockwiseSpec()), jnp.ones((3,), jnp.float32))
+    np.testing.assert_array_equal(vjp(g)[0], [jnp.abs(x).max(), jnp.abs(w).max(), jnp.abs(g).max()])

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.fp8 import FORMATS, amax, fp8_max
+from mjax.kernels.fp8 import FORMATS, fp8_max
 
 BLOCK = 128
 
@@ -44,23 +44,26 @@ def _block_scale(block_amax, dtype):
 
 
 def quantize_rows(x, dtype):
-    """1x128 blocks along the last axis: x [R, C] -> (q [R, C] fp8, s [R, C/128] f32)."""
+    """1x128 blocks along the last axis: x [R, C] -> (q [R, C] fp8, s [R, C/128] f32, amax of x: f32 scalar, the
+    max of the block amaxes, so that no pass of its own reads x again)."""
     r, c = x.shape
     xb = x.astype(jnp.float32).reshape(r, c // BLOCK, BLOCK)  # [R, C/128, 128]
-    s = _block_scale(jnp.max(jnp.abs(xb), axis=-1), dtype)  # [R, C/128]
+    block_amax = jnp.max(jnp.abs(xb), axis=-1)  # [R, C/128]
+    s = _block_scale(block_amax, dtype)
     m = fp8_max(dtype)
     q = jnp.clip(xb / s[..., None], -m, m).astype(dtype).reshape(r, c)
-    return q, s
+    return q, s, jnp.max(block_amax)
 
 
 def quantize_tiles(w, dtype):
-    """128x128 blocks: w [K, N] -> (q [K, N] fp8, s [K/128, N/128] f32)."""
+    """128x128 blocks: w [K, N] -> (q [K, N] fp8, s [K/128, N/128] f32, amax of w)."""
     k, n = w.shape
     wb = w.astype(jnp.float32).reshape(k // BLOCK, BLOCK, n // BLOCK, BLOCK)  # [KB, 128, NB, 128]
-    s = _block_scale(jnp.max(jnp.abs(wb), axis=(1, 3)), dtype)  # [KB, NB]
+    block_amax = jnp.max(jnp.abs(wb), axis=(1, 3))  # [KB, NB]
+    s = _block_scale(block_amax, dtype)
     m = fp8_max(dtype)
     q = jnp.clip(wb / s[:, None, :, None], -m, m).astype(dtype).reshape(k, n)
-    return q, s
+    return q, s, jnp.max(block_amax)
 
 
 def expand_cols(s):
@@ -110,21 +113,21 @@ def _fwd(x, w, meta, spec):
     _check(k, f"every linear layer's input size (one is {k})")
     _check(n, f"every linear layer's output size (one is {n})")
     fwd_dtype, _ = spec.dtypes
-    xq, sx = quantize_rows(x, fwd_dtype)  # [M, K], [M, K/128]
-    wq, sw = quantize_tiles(w, fwd_dtype)  # [K, N], [K/128, N/128]
+    xq, sx, ax = quantize_rows(x, fwd_dtype)  # [M, K], [M, K/128]
+    wq, sw, aw = quantize_tiles(w, fwd_dtype)  # [K, N], [K/128, N/128]
     y = block_gemm(xq, sx, wq.T, expand_cols(sw), x.dtype, spec)  # [M, N]
-    return y, (x, wq, sw, amax(x), amax(w), jnp.zeros((0,), w.dtype))
+    return y, (x, wq, sw, ax, aw, jnp.zeros((0,), w.dtype))
 
 
 def _bwd(spec, res, g):
     x, wq, sw, ax, aw, w_like = res
     fwd_dtype, grad_dtype = spec.dtypes
-    gq, sg = quantize_rows(g, grad_dtype)  # [M, N], [M, N/128]
+    gq, sg, ag = quantize_rows(g, grad_dtype)  # [M, N], [M, N/128]
     dx = block_gemm(gq, sg, wq, expand_cols(sw.T), x.dtype, spec)  # [M, K]: bt = (w^T)^T = w
-    xtq, sxt = quantize_rows(x.T, fwd_dtype)  # [K, M], [K, M/128]: 128x1 blocks of x
-    gtq, sgt = quantize_rows(g.T, grad_dtype)  # [N, M], [N, M/128]: 128x1 blocks of g
+    xtq, sxt, _ = quantize_rows(x.T, fwd_dtype)  # [K, M], [K, M/128]: 128x1 blocks of x
+    gtq, sgt, _ = quantize_rows(g.T, grad_dtype)  # [N, M], [N, M/128]: 128x1 blocks of g
     dw = block_gemm(xtq, sxt, gtq, sgt.T, jnp.float32, spec).astype(w_like.dtype)  # [K, N]
-    return dx, dw, jnp.stack([ax, aw, amax(g)])
+    return dx, dw, jnp.stack([ax, aw, ag])
 
 
 blockwise_matmul.defvjp(lambda x, w, meta, spec: _fwd(x, w, meta, spec), _bwd)
