@@ -6,31 +6,22 @@
 # Run from the repo root on the GPU machine:  OUT=runs/gpu bash scripts/gpu_throughput.sh
 # Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.} XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-OUT=${OUT:-runs/gpu}; LOGS=${LOGS:-/tmp/mjax_gpu_logs}; mkdir -p "$OUT" "$LOGS"
-PY=${PY:-python3}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 STEPS=${STEPS:-6}
+source "$(dirname "$0")/gpu_bench.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-status=0
-bench() {  # name, timeout, flags...: one benchmark run, its table printed, log in $LOGS, JSON in $OUT
-  local name=$1 limit=$2; shift 2
-  echo "== $name"
-  timeout "$limit" $PY scripts/benchmark.py --num_devices=1 --global_batch_size=8 --steps=$STEPS \
-    --json_out="$OUT/$name.json" "$@" >"$LOGS/$name.log" 2>&1
-  local rc=$?; echo "exit $rc"; [ $rc -eq 0 ] || status=1
-  grep -v "^[WI]1" "$LOGS/$name.log" | grep -A12 "matmul ceiling" | tail -12
-}
+one() { bench "$@" --num_devices=1 --global_batch_size=8; }  # one GPU, 8 x 4096 tokens
 if [ "${QUANT:-1}" = 1 ]; then  # QUANT=0 skips it
   timeout 60 $PY scripts/bench_fp8.py --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
   grep "quant {" "$LOGS/quant.log"
 fi
-bench 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
-bench 3b ${T3B:-90} --config=llama3.2-3b --profile_steps=1
+one 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
+one 3b ${T3B:-90} --config=llama3.2-3b --profile_steps=1
 # FP8 with the preset's remat set plus fp8_cast: the quantized operands are kept, so the backward does not redo
 # the amaxes and casts.
 SET=qkv_proj,attn_core,attn_context,attn_out,mlp_up,mlp_out,fp8_cast
 for recipe in tensorwise delayed; do
-  bench 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET --fp8_recipe=$recipe \
+  one 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET --fp8_recipe=$recipe \
     --profile_steps=1
 done
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
