@@ -21,8 +21,13 @@ def rope_frequencies(cfg) -> jnp.ndarray:
 
 
 def apply_rope(x, positions, inv_freq):
-    """x: [B, T, N, H]; positions: [B, T]. Rotates the two halves of the head dim (computed in fp32)."""
+    """x: [B, T, N, H]; positions: [B, T]. Rotates the two halves of the head dim (computed in fp32):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), written as x cos + swap(x) (-sin, sin) with the halves on an axis
+    of two, so forward and backward are elementwise passes (splitting and concatenating the halves is a
+    concatenate, which XLA emits one operand at a time, reading x twice)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    cos = jnp.cos(angles)[:, :, None, None, :]  # [B, T, 1, 1, H/2]
+    sin = jnp.sin(angles)[:, :, None, None, :] * jnp.array([-1.0, 1.0])[:, None]  # [B, T, 1, 2, H/2]
+    halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [B, T, N, 2, H/2]
+    out = halves * cos + jnp.flip(halves, axis=-2) * sin
+    return out.reshape(x.shape).astype(x.dtype)
