@@ -141,8 +141,9 @@ class PrecisionConfig:
     num_layers_at_start_in_bf16: int = _field(1, "num_layers_at_start_in_bf16")
     num_layers_at_end_in_bf16: int = _field(1, "num_layers_at_end_in_bf16")
     quantize_output_layer: bool = _field(
-        False, "quantize_output_layer", "Quantize the (untied) LM head too; by default it stays in compute_dtype, "
-        "as do the embedding lookup and the MoE router.")
+        False, "quantize_output_layer", "Quantize the output layer too (the LM head, or the "
+        "tied embedding's use as one); by default it stays in compute_dtype, as do the embedding lookup and the MoE "
+        "router.")
     quant_impl: str = _field("auto", "quant_impl", "auto | xla | pallas: kernels of blockwise FP8 and FP4 (auto: "
                              "pallas on GPU, the pure-JAX reference elsewhere).")
 

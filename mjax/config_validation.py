@@ -172,9 +172,6 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
     if pr.quantize_output_layer and m.cross_entropy_impl == "fused":
         raise ConfigError("--quantize_output_layer needs --cross_entropy_impl=reference (the fused output layer "
                           "computes in compute_dtype)")
-    if pr.quantize_output_layer and not m.untie_embeddings_and_output_weights:
-        raise ConfigError("--quantize_output_layer needs an untied LM head (--untie_embeddings_and_output_weights); "
-                          "the tied output layer stays in compute_dtype")
     if pr.fp8_recipe == "blockwise":
         _, micro, _ = resolve_batch(cfg, num_devices)
         dims = {"--hidden_size": m.hidden_size, "--ffn_hidden_size": m.ffn_hidden_size,

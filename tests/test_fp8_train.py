@@ -46,10 +46,32 @@ def test_blockwise_config_names_the_sizes():
     cfg = _cfg(fp8_recipe="blockwise").replace(model=dict(ffn_hidden_size=192), train=dict(seq_length=24))
     with pytest.raises(ConfigError, match=r"--ffn_hidden_size=192.*tokens per micro-batch.*=192"):
         cfg.validate(1)
-    tied = _cfg(fp4_recipe="nvfp4", quantize_output_layer=True).replace(
-        model=dict(untie_embeddings_and_output_weights=False))
-    with pytest.raises(ConfigError, match="untied"):
-        tied.validate(1)
+    head = _cfg(fp8_recipe="blockwise", quantize_output_layer=True).replace(model=dict(vocab_size=150))
+    with pytest.raises(ConfigError, match=r"the padded vocab.*=192"):
+        head.replace(model=dict(make_vocab_size_divisible_by=64)).validate(1)
+    head.validate(1)  # padded to 256
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_quantize_output_layer_runs_the_head_in_fp8_tied_or_not(untied):
+    """--quantize_output_layer puts the output layer through the FP8 GEMM (the tied embedding's table too): it gets
+    a scale variable that observes (amax of h, amax of the weight, amax of the logits' gradient), and the logits
+    stay within FP8 rounding of the compute-dtype head."""
+    cfg = _cfg(fp8_recipe="tensorwise").replace(model=dict(untie_embeddings_and_output_weights=untied))
+    quantized = build_model(cfg.model, cfg.replace(precision=dict(quantize_output_layer=True)).precision)
+    plain = build_model(cfg.model, cfg.precision)
+    params, scales = quantized.init(jax.random.key(0)), quantized.init_fp8()
+    head = "lm_head" if untied else "embed"
+    assert head in scales and head not in plain.init_fp8()
+    tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % 100
+    got = np.asarray(quantized.apply(params, tokens, fp8=scales))
+    want = np.asarray(plain.apply(params, tokens, fp8=plain.init_fp8()))
+    assert np.abs(got - want).max() > 0  # the head really is quantized
+    np.testing.assert_allclose(got, want, atol=0.1 * np.abs(want).max())
+    amax = jax.grad(lambda s: jnp.sum(quantized.apply(params, tokens, fp8=s) ** 2))(scales)[head]["fp8_meta"]
+    weight = params["lm_head"]["kernel"] if untied else params["embed"]["embedding"]
+    np.testing.assert_allclose(amax[1], np.abs(np.asarray(weight)).max(), rtol=1e-6)
+    assert amax[0] > 0 and amax[2] > 0
 
 
 def test_layer_amaxes_stack_per_layer_and_bf16_layers_observe_nothing():

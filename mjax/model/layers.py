@@ -108,15 +108,23 @@ def without_quant(module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, num, features, *, std, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.dtype = dtype
+    """Token embedding [V, D]; `attend` is the tied output layer, quantized by `quant` (--quantize_output_layer;
+    the lookup itself never is)."""
+
+    def __init__(self, num, features, *, std, dtype=jnp.float32, param_dtype=jnp.float32, quant=None,
+                 rngs: nnx.Rngs):
+        self.dtype, self.quant = dtype, quant
         self.embedding = param(_normal(rngs, (num, features), std, param_dtype), ("vocab", "embed"))
+        self.fp8_meta = Fp8Meta(initial_meta(), logical_axes=(None,)) if quant and quant.has_fp8_meta else None
 
     def __call__(self, ids):  # [B, T] -> [B, T, D]
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x):  # tied output layer: [B, T, D] -> [B, T, V]
-        return jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        if self.quant is None:
+            return jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        meta = None if self.fp8_meta is None else self.fp8_meta[...]
+        return _matmul(x, self.embedding[...].T, 1, self.dtype, self.quant, meta)  # [D, V] view of the table
 
 
 class RMSNorm(nnx.Module):

@@ -73,7 +73,10 @@ class CausalLM(nnx.Module):
         self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
-        self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        head_quant = quant if quant is not None and quant.output_layer else None
+        tied = not cfg.untie_embeddings_and_output_weights
+        self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype,
+                           quant=head_quant if tied else None, rngs=rngs)
         if cfg.position_embedding_type == "learned":
             self.pos_embed = param(cfg.init_method_std * jax.random.normal(
                 rngs.params(), (cfg.max_position_embeddings, d), param_dtype), (None, "embed"))
@@ -88,8 +91,7 @@ class CausalLM(nnx.Module):
             if isinstance(var, nnx.Variable):
                 var.set_metadata("logical_axes", ("layers",) + var.get_metadata()["logical_axes"])
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        if cfg.untie_embeddings_and_output_weights:
-            head_quant = quant if quant is not None and quant.output_layer else None
+        if not tied:
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
                                   std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, quant=head_quant,
                                   rngs=rngs)
