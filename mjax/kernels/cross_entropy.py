@@ -10,11 +10,19 @@ def cross_entropy_reference(logits, targets, *, vocab_size: int, z_loss_coeff: f
     Columns >= vocab_size are vocab padding: they take no probability mass. The loss includes
     z_loss_coeff * logZ^2 when the coefficient is non-zero.
     """
-    logits = logits.astype(jnp.float32)
-    if logits.shape[-1] > vocab_size:
-        pad = jnp.arange(logits.shape[-1]) >= vocab_size
-        logits = jnp.where(pad, -jnp.inf, logits)
-    log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    return token_losses(mask_vocab_padding(logits.astype(jnp.float32), vocab_size), targets, z_loss_coeff)
+
+
+def mask_vocab_padding(logits, vocab_size: int):
+    """[..., Vp] -> the same with the padding columns (>= vocab_size) at -inf."""
+    if logits.shape[-1] <= vocab_size:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) >= vocab_size, -jnp.inf, logits)
+
+
+def token_losses(logits, targets, z_loss_coeff: float = 0.0):
+    """Masked fp32 logits [..., Vp], targets [...] -> (loss incl. z-loss, log Z), both [...]."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
     # A masked sum rather than a gather: with the vocab split over tensor-parallel devices each device sums its own
     # slice and only [B, T] partial sums are all-reduced, never the logits.
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)

@@ -13,6 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mjax.kernels.cross_entropy import mask_vocab_padding, token_losses
+
 
 def fused_cross_entropy_sums(h, w, targets, mask, *, vocab_axis: int, vocab_size: int, z_loss_coeff: float = 0.0,
                              chunk: int = 1024, compute_dtype=jnp.bfloat16):
@@ -47,13 +49,11 @@ def _forward(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype)
     def body(dw, xs):
         hb, tb, mb = xs  # [B, c, D], [B, c], [B, c]
         logits = jnp.einsum(logits_eq, hb.astype(dtype), wc, preferred_element_type=jnp.float32)  # [B, c, V]
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-        logits = jnp.where(vocab_ids < vocab_size, logits, -jnp.inf)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, c]
-        target = jnp.sum(jnp.where(vocab_ids == tb[..., None], logits, 0.0), axis=-1)
-        loss = lse - target + z_coeff * jnp.square(lse)
+        logits = mask_vocab_padding(logits, vocab_size)
+        loss, lse = token_losses(logits, tb, z_coeff)  # [B, c]
         probs = jnp.exp(logits - lse[..., None])
         # d(loss)/d(logits) = softmax - one-hot (+ 2 z lse softmax), for unmasked tokens only
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         dlogits = (probs * (1.0 + 2.0 * z_coeff * lse[..., None]) - (vocab_ids == tb[..., None])) * mb[..., None]
         dlogits = dlogits.astype(dtype)
         dh = jnp.einsum(dh_eq, dlogits, wc, preferred_element_type=jnp.float32).astype(h.dtype)  # [B, c, D]
