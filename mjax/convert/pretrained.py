@@ -41,16 +41,15 @@ def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = No
     from mjax.model import build_model  # noqa: PLC0415
 
     path = Path(path)
-    if orbax_io.is_mjax_checkpoint(path):
-        cfg = from_dict(json.loads((path / orbax_io.CONFIG).read_text()))
-        flat = orbax_io.read_params(path)
-    elif (path / "config.json").exists():
-        model_cfg, flat = params_from_hf(path)
-        cfg = base_config(dataclasses.asdict(model_cfg))
-    else:
-        raise ConversionError(f"{path}: neither an mjax checkpoint (config.json + params/) nor an HF model directory")
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
-    cfg = dataclasses.replace(cfg, precision=precision)
+    if orbax_io.is_mjax_checkpoint(path):
+        cfg = dataclasses.replace(from_dict(json.loads((path / orbax_io.CONFIG).read_text())), precision=precision)
+        model_def = build_model(cfg.model, precision)
+        return Pretrained(model_def, orbax_io.restore(path, model_def.abstract_params()), cfg), cfg
+    if not (path / "config.json").exists():
+        raise ConversionError(f"{path}: neither an mjax checkpoint (config.json + params/) nor an HF model directory")
+    model_cfg, flat = params_from_hf(path)
+    cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision)
     model_def = build_model(cfg.model, precision)
     padded = model_def.vocab_size
     params = unflatten({p: jnp.asarray(orbax_io.fit_vocab(p, x, padded).astype(np.dtype(dtype)))
