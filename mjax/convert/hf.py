@@ -240,8 +240,9 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
             for r in rules for name in family.hf_names(r, dims.layers)]
     output.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
+    stores = orbax_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one layer read at a time
     for r in rules:
-        for i, name, parts in _read_layers(orbax_io.open_params(src, r.mjax), r, dims.layers):
+        for i, name, parts in _read_layers({p: stores[p] for p in r.mjax}, r, dims.layers):
             writer.write(name.format(i=i), np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
                 out_dtype(r), copy=False))
     writer.close()
