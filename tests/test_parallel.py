@@ -52,6 +52,18 @@ def _spec(x):
     return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
 
 
+def test_bf16_compute_under_tp_sp_and_fsdp_matches_single_device():
+    """In bf16 the SwiGLU backward takes the packed (gate, up) word path and the fused projections run sharded: the
+    losses stay within bf16 rounding of one device's."""
+    def losses(parallel, devices):
+        cfg = tiny_config(parallel=parallel, precision=dict(compute_dtype="bfloat16"), train=dict(train_iters=3))
+        return [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None), devices=devices).history]
+
+    ref = losses({}, jax.devices()[:1])
+    for parallel in (dict(tp=2, sequence_parallel=True), dict(tp=2, fsdp=4)):
+        np.testing.assert_allclose(losses(parallel, jax.devices()), ref, rtol=1e-3, err_msg=str(parallel))
+
+
 def _check_placement(layout, state):
     """The layout really is distributed the way its name says."""
     q = state.params["layers"]["attn"]["q_proj"]["kernel"]  # [L, D, N, H]
