@@ -2,7 +2,8 @@
 # One-GPU throughput for docs/performance.md and docs/fp8.md, most informative first (each run has its own
 # timeout, so a slow compile costs only its own row): the quantization passes against a copy's bandwidth, the 1B
 # preset next to the plain-JAX baseline in the same process, the 3B preset in bf16, then in FP8 (tensorwise and
-# delayed), every step profiled.
+# delayed), every step profiled; HEAD=1 and GEMM=1 add the rows described at the end; QUANT=0 and DEFAULT=0
+# skip the pass benchmark and the default rows (e.g. DEFAULT=0 QUANT=0 GEMM=1 for the GEMM table alone).
 # Run from the repo root on the GPU machine:  OUT=runs/gpu bash scripts/gpu_throughput.sh
 # Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
 set -uo pipefail
@@ -15,14 +16,27 @@ if [ "${QUANT:-1}" = 1 ]; then  # QUANT=0 skips it
   timeout 60 $PY scripts/bench_fp8.py --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
   grep "quant {" "$LOGS/quant.log"
 fi
-one 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
-one 3b ${T3B:-90} --config=llama3.2-3b --profile_steps=1
-# FP8 with the preset's remat set plus fp8_cast: the quantized operands are kept, so the backward does not redo
-# the amaxes and casts.
+# FP8 rows run with the preset's remat set plus fp8_cast: the quantized operands are kept, so the backward does not
+# redo the amaxes and casts.
 SET=qkv_proj,attn_core,attn_context,attn_out,mlp_up,mlp_out,fp8_cast
-for recipe in tensorwise delayed; do
-  one 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET --fp8_recipe=$recipe \
-    --profile_steps=1
-done
+if [ "${DEFAULT:-1}" = 1 ]; then  # DEFAULT=0 skips the default rows
+  one 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
+  one 3b ${T3B:-90} --config=llama3.2-3b --profile_steps=1
+  for recipe in tensorwise delayed; do
+    one 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET --fp8_recipe=$recipe \
+      --profile_steps=1
+  done
+fi
+# Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
+# too (HEAD=1), and every recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1).
+if [ "${HEAD:-0}" = 1 ]; then
+  one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
+    --fp8_recipe=tensorwise --quantize_output_layer
+fi
+if [ "${GEMM:-0}" = 1 ]; then
+  timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \
+    --out="$OUT/gemm.json" >"$LOGS/gemm.log" 2>&1 || status=1
+  grep "gemm {" "$LOGS/gemm.log"
+fi
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 exit $status
