@@ -84,5 +84,6 @@ def main(argv):
                            "rows": rows}, f)
     return 0 if all(r["max_rel_diff"] < 1e-4 for r in rows) else 1
 
+
 if __name__ == "__main__":
     sys.exit(app.run(main))

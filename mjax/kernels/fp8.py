@@ -117,4 +117,3 @@ def _bwd(spec, res, g):
 
 
 fp8_matmul.defvjp(lambda x, w, meta, spec: _fwd(x, w, meta, spec), _bwd)
-

@@ -8,8 +8,6 @@ from mjax.model.layers import Linear, fused_linear, output_std
 from mjax.model.rope import apply_rope, rope_frequencies
 from mjax.model.sharding import constrain, splits_evenly
 
-QKV_AXES = ("batch", "seq", None, "head_dim")
-
 
 class Attention(nnx.Module):
     def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-
 def init_cache(cfg, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

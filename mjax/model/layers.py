@@ -121,8 +121,6 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
     def attend(self, x):  # tied output layer: [B, T, D] -> [B, T, V]
-        if self.quant is None:
-            return jnp.einsum("btd,vd->btv", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
         meta = None if self.fp8_meta is None else self.fp8_meta[...]
         return _matmul(x, self.embedding[...].T, 1, self.dtype, self.quant, meta)  # [D, V] view of the table
 

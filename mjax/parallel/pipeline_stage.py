@@ -63,7 +63,6 @@ def head(model, token_loss, rest: dict, y, micro: dict):
     return token_loss(module, module.final_norm(y), micro)
 
 
-
 def shift(x, pp: int, direction: int, circular: bool = False):
     """Inside shard_map: sends x from stage s to stage s + direction (the last stage wraps round to the first when
     `circular`); a stage nobody sends to receives zeros."""
