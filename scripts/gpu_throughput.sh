@@ -8,7 +8,6 @@
 # Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-STEPS=${STEPS:-6}
 source "$(dirname "$0")/gpu_bench.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 one() { bench "$@" --num_devices=1 --global_batch_size=8; }  # one GPU, 8 x 4096 tokens

@@ -51,7 +51,7 @@ class Profile:
         lines.append(f"  HLO ops found for {self.matched:.0%} of the time; "
                      f"not found e.g. {self.unmatched_examples[:3]}")
         lines.append(f"  {'kernel':<48} {'kind':>10} {'part':>10} {'ms/step':>8} {'calls':>6}  HLO op")
-        for name, kind, scope, ms, calls, op in self.top_kernels:
+        for name, kind, scope, ms, calls, op in self.top_kernels[:40]:
             lines.append(f"  {name[:48]:<48} {kind:>10} {scope:>10} {ms:>8.2f} {calls:>6.0f}  {op}")
         return "\n".join(lines)
 
@@ -123,7 +123,7 @@ def _exposed_ns(intervals, cover):
     return sum((e - s) - sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in union) for s, e in intervals)
 
 
-def profile_step(run_step, steps: int, hlo_text: str, top: int = 40) -> Profile:
+def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile:
     """Traces `steps` calls of `run_step()` (which must block) and sums device time per kernel / kind / part."""
     import time  # noqa: PLC0415
 
