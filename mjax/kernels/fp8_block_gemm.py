@@ -4,7 +4,8 @@ Each program owns one [bm, bn] output tile and walks K in 128-wide blocks: an FP
 [bm, 128] and [bn, 128] tiles, accumulated in f32 after multiplying by the row scales of A and column scales of B
 for that k-block (DeepGEMM's "promotion" of each k-block's partial product to CUDA cores). B comes transposed,
 [N, K]: Hopper's FP8 tensor cores read both operands K-major (the "TN" layout cuBLASLt also wants), and the
-backward's operands are already laid out that way. Scales are passed flattened k-block-major ([KB * M] and
+backward's operands are already laid out that way. Mixed FP8 types (hybrid format's e5m2 gradients) multiply in
+f16. Scales are passed flattened k-block-major ([KB * M] and
 [KB * N]) so each iteration loads two contiguous vectors.
 """
 
@@ -40,6 +41,10 @@ def _kernel(a_ref, bt_ref, sa_ref, sb_ref, o_ref, *, bm: int, bn: int, m: int, n
         bt = bt_ref[:, pl.ds(start, BLOCK)]  # [bn, 128] fp8
         sa = sa_ref[pl.ds(kb * m + i * bm, bm)]  # [bm] row scales of this k-block
         sb = sb_ref[pl.ds(kb * n + j * bn, bn)]  # [bn] column scales of this k-block
+        if a.dtype != bt.dtype:
+            # e5m2 gradient x e4m3 operand (--fp8_format=hybrid): Triton's dot takes one FP8 type, so both tiles go
+            # up to f16, which holds every e4m3 and e5m2 value exactly (at the 16-bit tensor-core rate).
+            a, bt = a.astype(jnp.float16), bt.astype(jnp.float16)
         p = lax.dot_general(a, bt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [bm, bn]
         return acc + p * sa[:, None] * sb[None, :]
 
