@@ -154,26 +154,30 @@ def gemm_section(args) -> dict:
         print(f"[{elapsed():6.1f}s] gemm {row}", flush=True)
         return t
 
-    wb = w.astype(jnp.bfloat16)
-    bf16 = record("bf16 x bf16 -> bf16 (ceiling)", jax.jit(lambda a, b: a @ b), (x, wb), 1)
-    xq, wq = quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32), E4M3), quantize(w, 448 / 0.2, E4M3)
-    dn = (((1,), (0,)), ((), ()))
-    record("e4m3 x e4m3 -> bf16, operands pre-quantized (FP8 ceiling)",
-           jax.jit(lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)), (xq, wq), 1, bf16)
-    record("e4m3 dequantized via f32 -> bf16 (XLA scale-fusion form)",
-           jax.jit(lambda a, b, s: jnp.dot(a.astype(jnp.float32) * s, b.astype(jnp.float32) * s,
-                                           preferred_element_type=jnp.bfloat16)), (xq, wq, jnp.float32(0.5)), 1, bf16)
-    aq, sa, _ = fp8_blockwise.quantize_rows(x, E4M3)
-    bq, sb, _ = fp8_blockwise.quantize_tiles(w, E4M3)
-    bq, sb = bq.T, fp8_blockwise.expand_cols(sb)  # [N, K]: K-major
-    # H200, jax 0.11.2 (first run): 128x128 w8 s3 325 TF/s, 128x128 w4 s4 216, 128x256 w8 s3 203, 64x128 w4 s4 328.
-    for tiles in (GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 4)):
-        interp = jax.default_backend() != "gpu"
-        record(f"blockwise pallas GEMM {tiles}", jax.jit(
-            lambda a, sa, b, sb, t=tiles: block_gemm_pallas(a, sa, b, sb, out_dtype=jnp.bfloat16, interpret=interp,
-                                                            tiles=t)), (aq, sa, bq, sb), 1, bf16)
-        if args.smoke:
-            break
+    cases = [c for c in args.gemm_cases.split(",") if c]
+    if not cases:  # the single-GEMM rows: ceilings and the blockwise kernel alone
+        wb = w.astype(jnp.bfloat16)
+        bf16 = record("bf16 x bf16 -> bf16 (ceiling)", jax.jit(lambda a, b: a @ b), (x, wb), 1)
+        xq, wq = quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32), E4M3), quantize(w, 448 / 0.2, E4M3)
+        dn = (((1,), (0,)), ((), ()))
+        record("e4m3 x e4m3 -> bf16, operands pre-quantized (FP8 ceiling)",
+               jax.jit(lambda a, b: lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)), (xq, wq), 1,
+               bf16)
+        record("e4m3 dequantized via f32 -> bf16 (XLA scale-fusion form)",
+               jax.jit(lambda a, b, s: jnp.dot(a.astype(jnp.float32) * s, b.astype(jnp.float32) * s,
+                                               preferred_element_type=jnp.bfloat16)), (xq, wq, jnp.float32(0.5)), 1,
+               bf16)
+        aq, sa, _ = fp8_blockwise.quantize_rows(x, E4M3)
+        bq, sb, _ = fp8_blockwise.quantize_tiles(w, E4M3)
+        bq, sb = bq.T, fp8_blockwise.expand_cols(sb)  # [N, K]: K-major
+        # H200, jax 0.11.2 (first run): 128x128 w8 s3 325 TF/s, 128x128 w4 s4 216, 128x256 w8 s3 203, 64x128 w4 s4 328.
+        for tiles in (GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 4)):
+            interp = jax.default_backend() != "gpu"
+            record(f"blockwise pallas GEMM {tiles}", jax.jit(
+                lambda a, sa, b, sb, t=tiles: block_gemm_pallas(a, sa, b, sb, out_dtype=jnp.bfloat16, interpret=interp,
+                                                                tiles=t)), (aq, sa, bq, sb), 1, bf16)
+            if args.smoke:
+                break
 
     def linear(policy):
         def f(x, w, g):
@@ -194,6 +198,8 @@ def gemm_section(args) -> dict:
                          ("nvfp4 emulated (xla quant)", QuantPolicy(fp4_recipe="nvfp4", impl="xla")),
                          ("mxfp4 emulated + RHT (pallas quant)",
                           QuantPolicy(fp4_recipe="mxfp4", fp4_hadamard=True, impl="pallas"))]:
+        if cases and not any(c in name for c in cases):
+            continue
         record(f"linear fwd+dgrad+wgrad: {name}", linear(policy), (x, w, g), 3, base3)
         if elapsed() > args.gemm_deadline_s:
             rows.append({"case": "remaining recipes skipped", "reason": f"past {args.gemm_deadline_s}s"})
@@ -297,6 +303,8 @@ def main():
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--budget_s", type=float, default=225.0)
     p.add_argument("--gemm_deadline_s", type=float, default=200.0)
+    p.add_argument("--gemm_cases", default="", help="Comma-separated: only the linear-layer rows whose recipe "
+                   "contains one of these, next to bf16's (e.g. blockwise); every row when empty.")
     p.add_argument("--e2e_batch", type=int, default=8)
     p.add_argument("--e2e_micro", type=int, default=None)
     p.add_argument("--e2e_remat", default="selective")

@@ -1,6 +1,8 @@
 """Per-tensor FP8 (delayed, tensorwise): quantization against ml_dtypes, the custom_vjp GEMMs against NumPy
 oracles and against bf16, the amax "gradients", the amax-history update, and FP8 dots in the lowered step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -35,6 +37,12 @@ def test_quantize_matches_ml_dtypes(dtype):
     assert np.isfinite(np.asarray(fp8.quantize(jnp.asarray(x), 1.0, dtype)).astype(np.float32)).all()
 
 
+def test_pow2_floor_is_exact_at_the_edges():
+    s = np.array([1.0, 448 / 3.5, 2.0, np.nextafter(np.float32(2.0), np.float32(0)), 3e-30, 5e30, 57344 / 1e-6],
+                 np.float32)
+    np.testing.assert_array_equal(np.asarray(fp8.pow2_floor(jnp.asarray(s))), 2.0 ** np.floor(np.log2(s)))
+
+
 def test_scale_from_amax():
     s = fp8.scale_from_amax(jnp.array([2.0, 0.0, jnp.inf, jnp.nan]), jnp.float8_e4m3fn, margin=1, fallback=7.0)
     np.testing.assert_allclose(np.asarray(s), [448 / 4, 7.0, 7.0, 7.0])
@@ -53,6 +61,7 @@ def test_fp8_matmul_against_numpy_oracle(recipe, fmt):
     else:
         scales = np.array([448 / ax, 448 / aw, float(ml_dtypes.finfo(grad_dt).max) / ag], np.float32)
     meta = jnp.asarray(scales) if recipe == "delayed" else jnp.ones(3)
+    scales = 2.0 ** np.floor(np.log2(scales))  # the GEMMs quantize with the scales rounded down to powers of two
     def fwd_bwd(x, w, meta, g):
         y, vjp = jax.vjp(lambda x, w, m: fp8_matmul(x, w, m, spec), x, w, meta)
         return y, *vjp(g)
@@ -95,6 +104,12 @@ def test_fp8_dots_reach_xla():
     dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 3
     assert all("f8E4M3FN" in d for d in dots) and sum("f8E5M2" in d for d in dots) == 2
+    # Each product is rescaled by a multiply in its own dtype (which XLA folds into the FP8 GEMM's scale), not
+    # converted to f32 first.
+    for d in dots:
+        name, out_type = re.match(r"\s*(%\w+) = .*-> (tensor<[^>]*>)", d).groups()
+        users = [line for line in hlo.splitlines() if re.search(rf"{name}\b", line.split("=", 1)[-1])]
+        assert len(users) == 1 and "stablehlo.multiply" in users[0] and users[0].rstrip().endswith(out_type), users
 
 
 def test_history_update_most_recent_and_max():

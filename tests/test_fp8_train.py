@@ -69,8 +69,8 @@ def test_quantize_output_layer_runs_the_head_in_fp8_tied_or_not(untied):
     h = np.asarray(quantized.bind(params, scales).hidden_states(tokens), np.float32)  # [B, T, D]
     w = np.asarray(params["lm_head"]["kernel"] if untied else params["embed"]["embedding"].T, np.float32)  # [D, V]
 
-    def cast(a):  # per-tensor e4m3 with scale 448 / amax -> (dequantized values)
-        scale = 448.0 / np.abs(a).max()
+    def cast(a):  # per-tensor e4m3 with scale 448 / amax, rounded down to a power of two -> (dequantized values)
+        scale = 2.0 ** np.floor(np.log2(np.float32(448.0) / np.abs(a).max()))
         return np.clip(a * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / scale
 
     want = cast(h) @ cast(w)

@@ -7,8 +7,12 @@ x ~= q / scale. `fp8_matmul(x, w, meta)` runs all three GEMMs of a linear layer 
     dgrad    dx = g  @ w^T   grad x e4m3   (grad is e5m2 with --fp8_format=hybrid, else e4m3)
     wgrad    dw = x^T @ g    e4m3 x grad
 
-The FP8 operands go straight into `lax.dot_general` and the product is rescaled afterwards: that is the form XLA
-rewrites into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`). A bf16 dequantize would not be rewritten (DESIGN.md).
+The FP8 operands go straight into `lax.dot_general` and the product is multiplied by the inverse scales in its own
+dtype: the form XLA rewrites into one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) with that factor as its scale.
+The GEMMs quantize with the recipe's scale rounded down to a power of two, so the factor is exact in bf16. (A bf16
+dequantize would not be rewritten, DESIGN.md; an f32 one, `convert(q) * s` at the dot, is folded away by XLA's
+simplifier, which drops the FP8 round trip, unless a barrier stands between, and then was not rewritten either:
+f32 GEMMs, 2.5x slower steps, jax 0.11.2.)
 The forward saves the FP8 copies of x and w for the backward, half the bytes of bf16 residuals.
 
 `meta` is an f32 [3] array per layer: the scales of (x, w, grad) for the delayed recipe. Its *gradient* is not a
@@ -55,10 +59,19 @@ def quantize(x, scale, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
 
 
+def pow2_floor(scale) -> jax.Array:
+    """The largest power of two <= scale (bit-exact through frexp): a GEMM quantizes with this, so its product is
+    rescaled exactly in any float dtype, and values stay within the FP8 range the full scale allowed."""
+    mantissa, exponent = jnp.frexp(jnp.asarray(scale, jnp.float32))  # scale = mantissa * 2^exponent, [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(mantissa), exponent - 1)
+
+
 def scaled_dot(a_q, b_q, contract: tuple[int, int], inv_scale, out_dtype) -> jax.Array:
-    """FP8 x FP8 -> out_dtype with one rescale of the product (fused by XLA into the GEMM's consumer)."""
+    """FP8 x FP8 -> out_dtype, then times inv_scale (a power of two, so exact in out_dtype). A product multiplied by
+    a broadcast scalar in its own dtype is what XLA folds into the cuBLASLt FP8 GEMM as its scale: no pass of its
+    own over the output (an f32 rescale with casts around it cost one whenever no consumer fusion took it in)."""
     y = lax.dot_general(a_q, b_q, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=out_dtype)
-    return (y.astype(jnp.float32) * inv_scale).astype(out_dtype)
+    return y * inv_scale.astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +87,8 @@ class Fp8Spec:
 
 
 def _scales(spec: Fp8Spec, meta, observed, which: int, dtype):
-    if spec.recipe == "delayed":
-        return meta[which]
-    return scale_from_amax(observed, dtype, spec.margin)
+    scale = meta[which] if spec.recipe == "delayed" else scale_from_amax(observed, dtype, spec.margin)
+    return pow2_floor(scale)
 
 
 def _named_fp8(q):
