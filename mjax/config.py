@@ -144,8 +144,9 @@ class PrecisionConfig:
         False, "quantize_output_layer", "Quantize the output layer too (the LM head, or the "
         "tied embedding's use as one); by default it stays in compute_dtype, as do the embedding lookup and the MoE "
         "router.")
-    quant_impl: str = _field("auto", "quant_impl", "auto | xla | pallas: kernels of blockwise FP8 and FP4 (auto: "
-                             "pallas on GPU, the pure-JAX reference elsewhere).")
+    quant_impl: str = _field("auto", "quant_impl", "auto | xla | pallas: kernels of the quantization (per-tensor FP8: "
+                             "cast-transpose; blockwise FP8: GEMM; FP4: quantize) (auto: pallas on GPU, the pure-JAX "
+                             "reference elsewhere).")
 
 
 @dataclasses.dataclass(frozen=True)

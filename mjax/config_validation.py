@@ -151,9 +151,6 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
                           f"--fp4_recipe={pr.fp4_recipe}; drop it")
     if pr.fp8_recipe is None and pr.fp4_recipe is None:
         return
-    if pr.quant_impl == "pallas" and pr.fp8_recipe in ("delayed", "tensorwise"):
-        raise ConfigError(f"--quant_impl=pallas: per-tensor FP8 (--fp8_recipe={pr.fp8_recipe}) runs through XLA and "
-                          "cuBLASLt only; use --quant_impl=auto or xla")
     if pr.fp8_recipe is not None and pr.fp4_recipe is not None:
         raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} and --fp4_recipe={pr.fp4_recipe} are both set; choose one")
     if pr.compute_dtype == "float16":

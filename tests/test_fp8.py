@@ -48,11 +48,13 @@ def test_scale_from_amax():
     np.testing.assert_allclose(np.asarray(s), [448 / 4, 7.0, 7.0, 7.0])
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("recipe,fmt", [("tensorwise", "hybrid"), ("tensorwise", "e4m3"), ("delayed", "hybrid")])
-def test_fp8_matmul_against_numpy_oracle(recipe, fmt):
-    """Forward, dgrad and wgrad equal the NumPy products of the ml_dtypes-quantized operands."""
+def test_fp8_matmul_against_numpy_oracle(recipe, fmt, impl):
+    """Forward, dgrad and wgrad equal the NumPy products of the ml_dtypes-quantized operands, with the FP8 copies
+    made by XLA or by the cast-transpose kernel (interpreted)."""
     x, w, g = _inputs()
-    spec = Fp8Spec(recipe, fmt)
+    spec = Fp8Spec(recipe, fmt, impl=impl, interpret=impl == "pallas")
     fwd_dt, grad_dt = (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2 if fmt == "hybrid" else ml_dtypes.float8_e4m3fn)
     xn, wn, gn = (np.asarray(t, np.float32) for t in (x, w, g))
     ax, aw, ag = (np.abs(t).max() for t in (xn, wn, gn))

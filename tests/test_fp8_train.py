@@ -193,3 +193,17 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
     assert out["attn_out"][0] - out["fp8_cast"][0] >= 2 * linears  # an x and a w amax each, no longer recomputed
     assert out["attn_out"][1] == out["fp8_cast"][1]
     np.testing.assert_allclose(out["attn_out"][2], out["fp8_cast"][2], rtol=1e-3)
+
+
+def test_cast_transpose_kernel_under_tp_sp_matches_xla_on_one_device():
+    """--quant_impl=pallas (the cast-transpose kernel, interpreted) with the layers sharded tp2 + sp over 8 devices
+    trains like the XLA quantization on one device: per device each shard is quantized with the global scale."""
+    from mjax.train.loop import train  # noqa: PLC0415
+
+    def losses(parallel, devices, impl):
+        cfg = tiny_config(parallel=parallel, train=dict(train_iters=3),
+                          precision=dict(compute_dtype="bfloat16", fp8_recipe="tensorwise", quant_impl=impl))
+        return [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None), devices=devices).history]
+
+    ref = losses({}, jax.devices()[:1], "xla")
+    np.testing.assert_allclose(losses(dict(tp=2, sequence_parallel=True), jax.devices(), "pallas"), ref, rtol=2e-3)

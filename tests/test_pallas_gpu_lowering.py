@@ -12,6 +12,7 @@ from jax._src.mesh import AbstractDevice, AbstractMesh  # no public constructor 
 
 from mjax.kernels.flash_attention import flash_attention
 from mjax.kernels.fp4_pallas import fake_quant_pallas
+from mjax.kernels.fp8_cast_transpose import _cast_transpose_local
 from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -40,6 +41,15 @@ def test_blockwise_fp8_gemms_lower(fmt):
     spec = BlockwiseSpec(fmt, impl="pallas", interpret=False)
     hlo = _lower_for_h200(_linear_fwd_bwd(lambda x, w: blockwise_matmul(x, w, jnp.ones(3), spec)), x, w, g)
     assert hlo.count("mjax_fp8_block_gemm") >= 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("src", [jnp.bfloat16, jnp.float32])
+def test_fp8_cast_transpose_lowers(dtype, src):
+    """The kernel itself (its custom_partitioning wrapper needs real devices to lower)."""
+    hlo = _lower_for_h200(lambda x, s: _cast_transpose_local(x, s, dtype=dtype, interpret=False),
+                          jnp.zeros((256, 384), src), jnp.ones((1,), jnp.float32))
+    assert "mjax_fp8_cast_transpose" in hlo
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])

@@ -13,7 +13,9 @@ The GEMMs quantize with the recipe's scale rounded down to a power of two, so th
 dequantize would not be rewritten, DESIGN.md; an f32 one, `convert(q) * s` at the dot, is folded away by XLA's
 simplifier, which drops the FP8 round trip, unless a barrier stands between, and then was not rewritten either:
 f32 GEMMs, 2.5x slower steps, jax 0.11.2.)
-The forward saves the FP8 copies of x and w for the backward, half the bytes of bf16 residuals.
+Every operand is quantized into the layouts its GEMMs read; with impl=pallas one cast-transpose pass writes
+both (`fp8_cast_transpose.py`). The forward saves the FP8 copies of x (transposed) and w for the backward, half the
+bytes of bf16 residuals.
 
 `meta` is an f32 [3] array per layer: the scales of (x, w, grad) for the delayed recipe. Its *gradient* is not a
 gradient: the backward returns the amax observed of (x, w, grad) this call. The train step reads those "gradients"
@@ -29,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+
+from mjax.kernels.fp8_cast_transpose import cast_transpose
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -80,6 +84,8 @@ class Fp8Spec:
     recipe: str = "tensorwise"  # delayed | tensorwise
     format: str = "hybrid"  # e4m3 | hybrid
     margin: int = 0
+    impl: str = "xla"  # how the FP8 copies are made: xla (cast, XLA transposes) | pallas (one cast-transpose pass)
+    interpret: bool = False
 
     @property
     def dtypes(self):
@@ -103,28 +109,37 @@ def fp8_matmul(x, w, meta, spec: Fp8Spec):
     return _fwd(x, w, meta, spec)[0]
 
 
+def _both_layouts(x, scale, dtype, spec: Fp8Spec):
+    """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN")."""
+    if spec.impl == "pallas":
+        return cast_transpose(x, scale, dtype, interpret=spec.interpret)
+    q = quantize(x, scale, dtype)
+    return q, q.T
+
+
 def _fwd(x, w, meta, spec):
     fwd_dtype, _ = spec.dtypes
     ax, aw = amax(x), amax(w)
     sx, sw = _scales(spec, meta, ax, META_X, fwd_dtype), _scales(spec, meta, aw, META_W, fwd_dtype)
-    xq, wq = quantize(x, sx, fwd_dtype), quantize(w, sw, fwd_dtype)  # [M, K], [K, N]
-    # Named so that a remat policy can keep the FP8 operands (1 byte an element) instead of recomputing the amaxes
-    # and casts in the backward (remat name fp8_cast).
-    xq, wq = (_named_fp8(t) for t in (xq, wq))
+    # Named so that a remat policy can keep the scales, amaxes and the FP8 operands of the backward (1 byte an
+    # element) instead of recomputing amaxes and casts there (remat name fp8_cast).
     sx, sw, ax, aw = (checkpoint_name(t, FP8_CAST) for t in (sx, sw, ax, aw))
-    y = scaled_dot(xq, wq, (1, 0), 1.0 / (sx * sw), x.dtype)  # [M, N]
+    xq, xq_t = _both_layouts(x, sx, fwd_dtype, spec)  # [M, K] forward, [K, M] wgrad
+    wq, wq_t = _both_layouts(w, sw, fwd_dtype, spec)  # [K, N] dgrad, [N, K] forward
+    xq_t, wq = (_named_fp8(t) for t in (xq_t, wq))
+    y = scaled_dot(xq, wq_t, (1, 1), 1.0 / (sx * sw), x.dtype)  # [M, N]
     # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
-    return y, (xq, wq, sx, sw, ax, aw, meta, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, (xq_t, wq, sx, sw, ax, aw, meta, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _bwd(spec, res, g):
-    xq, wq, sx, sw, ax, aw, meta, x_like, w_like = res
+    xq_t, wq, sx, sw, ax, aw, meta, x_like, w_like = res
     _, grad_dtype = spec.dtypes
     ag = amax(g)
     sg = _scales(spec, meta, ag, META_G, grad_dtype)
-    gq = quantize(g, sg, grad_dtype)  # [M, N]
+    gq, gq_t = _both_layouts(g, sg, grad_dtype, spec)  # [M, N] dgrad, [N, M] wgrad
     dx = scaled_dot(gq, wq, (1, 1), 1.0 / (sg * sw), x_like.dtype)  # [M, K]
-    dw = scaled_dot(xq, gq, (0, 0), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
+    dw = scaled_dot(xq_t, gq_t, (1, 1), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
     return dx, dw, jnp.stack([ax, aw, ag])
 
 
