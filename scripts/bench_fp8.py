@@ -37,6 +37,7 @@ from jax import lax  # noqa: E402
 from mjax.config import load_config  # noqa: E402
 from mjax.kernels import fp4, fp8_blockwise  # noqa: E402
 from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
+from mjax.kernels.fp8_cast_transpose import cast_transpose  # noqa: E402
 from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
 from mjax.train.benchmark import synthetic_batch  # noqa: E402
@@ -223,6 +224,8 @@ def quant_section(args) -> dict:
         ("amax: row maxima, then their max", lambda x: jnp.max(jnp.max(jnp.abs(x), axis=-1)).astype(jnp.float32), 2),
         ("quantize with a given scale", lambda x: quantize(x, scale, E4M3), 3),
         ("quantize + transposed copy", lambda x: (lambda q: (q, q.T))(quantize(x, scale, E4M3)), 4),
+        ("cast-transpose kernel (quantize, both layouts, one pass)",
+         lambda x: cast_transpose(x, scale, E4M3, interpret=jax.default_backend() != "gpu"), 4),
         ("tensorwise: amax, then quantize", lambda x: quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32),
                                                               E4M3), 5),
         ("delayed: quantize and amax in one pass",
