@@ -195,15 +195,20 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
     np.testing.assert_allclose(out["attn_out"][2], out["fp8_cast"][2], rtol=1e-3)
 
 
-def test_cast_transpose_kernel_under_tp_sp_matches_xla_on_one_device():
-    """--quant_impl=pallas (the cast-transpose kernel, interpreted) with the layers sharded tp2 + sp over 8 devices
-    trains like the XLA quantization on one device: per device each shard is quantized with the global scale."""
+@pytest.mark.parametrize("recipe", [dict(fp8_recipe="tensorwise"), dict(fp8_recipe="blockwise"),
+                                    dict(fp4_recipe="nvfp4")])
+def test_pallas_kernels_under_tp_sp_match_the_xla_reference(recipe):
+    """--quant_impl=pallas (the kernels interpreted, each on its device's shard) with the layers sharded tp2 + sp
+    over 8 devices trains like the pure-JAX reference under the same layout (which GSPMD partitions itself). The
+    quantized values are the same; the GEMMs sum in another order (Pallas or a differently laid out XLA dot), which
+    moves the first loss by ~1e-4 and, through FP8 rounding of the updated weights, later ones by up to ~1e-3."""
     from mjax.train.loop import train  # noqa: PLC0415
 
-    def losses(parallel, devices, impl):
-        cfg = tiny_config(parallel=parallel, train=dict(train_iters=3),
-                          precision=dict(compute_dtype="bfloat16", fp8_recipe="tensorwise", quant_impl=impl))
-        return [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None), devices=devices).history]
+    def losses(impl):
+        cfg = _cfg(**recipe, quant_impl=impl).replace(parallel=dict(tp=2, sequence_parallel=True),
+                                                      train=dict(train_iters=3, seq_length=128))
+        return [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None), devices=jax.devices()).history]
 
-    ref = losses({}, jax.devices()[:1], "xla")
-    np.testing.assert_allclose(losses(dict(tp=2, sequence_parallel=True), jax.devices(), "pallas"), ref, rtol=2e-3)
+    got, want = losses("pallas"), losses("xla")
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-4)
+    np.testing.assert_allclose(got, want, rtol=3e-3)

@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mjax.kernels.fp4 import BLOCKS, E2M1_MAX, E4M3_MAX, e8m0_round_up, global_scale
+from mjax.kernels.per_shard import per_shard
 
 ROWS = 512  # quantization blocks per program
 
@@ -43,9 +44,8 @@ def _kernel(x_ref, g_ref, o_ref, *, recipe: str):
     o_ref[...] = (round_e2m1(v) * s[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("recipe", "interpret"))
-def fake_quant_pallas(x, *, recipe: str, interpret: bool = False):
-    """x [R, C] (C a multiple of the recipe's block) -> quantized-dequantized [R, C] in x.dtype."""
+def _fake_quant_local(x, g, *, recipe: str, interpret: bool):
+    """x [R, C] (C a multiple of the recipe's block), g [1] the NVFP4 tensor scale -> quantized-dequantized x."""
     b = BLOCKS[recipe]
     r, c = x.shape
     blocks = x.reshape(r * c // b, b)  # [R * C / B, B]: one quantization block per row
@@ -54,7 +54,6 @@ def fake_quant_pallas(x, *, recipe: str, interpret: bool = False):
     pad = -n % rows
     if pad:
         blocks = jnp.pad(blocks, ((0, pad), (0, 0)))
-    g = (global_scale(x) if recipe == "nvfp4" else jnp.ones((), jnp.float32)).reshape(1)
     out = pl.pallas_call(
         functools.partial(_kernel, recipe=recipe),
         grid=(blocks.shape[0] // rows,),
@@ -66,3 +65,19 @@ def fake_quant_pallas(x, *, recipe: str, interpret: bool = False):
         name=f"mjax_fp4_fake_quant_{recipe}",
     )(blocks, g)
     return out[:n].reshape(r, c)
+
+
+@functools.cache
+def _per_shard(recipe: str, interpret: bool):
+    def local(x, g):
+        return _fake_quant_local(x, g, recipe=recipe, interpret=interpret)
+
+    return per_shard(local, "r c, s -> r c", replicated=("s",), multiple_of={"c": BLOCKS[recipe]})
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "interpret"))
+def fake_quant_pallas(x, *, recipe: str, interpret: bool = False):
+    """x [R, C] (C a multiple of the recipe's block) -> quantized-dequantized [R, C] in x.dtype. Under a mesh each
+    device runs its own shard; NVFP4's tensor scale comes from the whole x first."""
+    g = (global_scale(x) if recipe == "nvfp4" else jnp.ones((), jnp.float32)).reshape(1)
+    return _per_shard(recipe, bool(interpret))(x, g)

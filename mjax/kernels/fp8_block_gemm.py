@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mjax.kernels.fp8_blockwise import BLOCK
+from mjax.kernels.per_shard import per_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,7 @@ def _kernel(a_ref, bt_ref, sa_ref, sb_ref, o_ref, *, bm: int, bn: int, m: int, n
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
-def block_gemm_pallas(a, sa, bt, sb, *, out_dtype, interpret: bool = False, tiles: GemmTiles = DEFAULT_TILES):
-    """a [M, K] fp8, sa [M, K/128] f32, bt [N, K] fp8, sb [K/128, N] f32 -> a @ bt.T [M, N] out_dtype."""
+def _block_gemm_local(a, sa, bt, sb, *, out_dtype, interpret: bool, tiles: GemmTiles):
     (m, k), n = a.shape, bt.shape[0]
     bm, bn = min(tiles.bm, m), min(tiles.bn, n)
     if m % bm or n % bn or k % BLOCK:
@@ -75,3 +74,20 @@ def block_gemm_pallas(a, sa, bt, sb, *, out_dtype, interpret: bool = False, tile
         interpret=interpret,
         name="mjax_fp8_block_gemm",
     )(a, bt, sa_flat, sb_flat)
+
+
+@functools.cache
+def _per_shard(out_dtype, interpret: bool, tiles: GemmTiles):
+    def local(a, sa, bt, sb):
+        return _block_gemm_local(a, sa, bt, sb, out_dtype=out_dtype, interpret=interpret, tiles=tiles)
+
+    # Rows of a and of bt stay sharded (whole tiles per shard); K, contracted, is gathered.
+    return per_shard(local, "m k, m kb, n k, kb n -> m n", replicated=("k", "kb"),
+                     multiple_of={"m": tiles.bm, "n": tiles.bn})
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "tiles"))
+def block_gemm_pallas(a, sa, bt, sb, *, out_dtype, interpret: bool = False, tiles: GemmTiles = DEFAULT_TILES):
+    """a [M, K] fp8, sa [M, K/128] f32, bt [N, K] fp8, sb [K/128, N] f32 -> a @ bt.T [M, N] out_dtype. Under a mesh
+    each device computes its [M, N] tile of the output from its rows of a and bt."""
+    return _per_shard(jnp.dtype(out_dtype), bool(interpret), tiles)(a, sa, bt, sb)

@@ -6,8 +6,8 @@ XLA, the transposed copy is a pass of its own over the FP8 tensor (and XLA re-de
 code asks for quantize(x.T)); weights came out at ~300 GB/s. Here each program reads one [B, B] tile once and writes
 the quantized tile and its transpose.
 
-Sharding: `custom_partitioning` with the rule "i j -> i j, j i", so under a mesh each device quantizes its own
-shard and the transposed copy is sharded transposed (no gather).
+Sharding: `per_shard` with the rule "i j, s -> i j, j i", so under a mesh each device quantizes its own shard and
+the transposed copy is sharded transposed (no gather).
 """
 
 import functools
@@ -15,10 +15,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from mjax.kernels.per_shard import per_shard
 
 BLOCK = 128  # tile side: 128 FP8 bytes per stored row in both layouts
 
@@ -48,37 +47,15 @@ def _cast_transpose_local(x, scale, *, dtype, interpret: bool):
     return q[:r, :c], qt[:c, :r]
 
 
-def _transposed(spec: P) -> P:
-    rows, cols = (tuple(spec) + (None, None))[:2]
-    return P(cols, rows)
+@functools.cache
+def _per_shard(dtype, interpret: bool):
+    def local(x, scale):
+        return _cast_transpose_local(x, scale, dtype=dtype, interpret=interpret)
 
-
-def _shardings(mesh, x_sharding):
-    spec = x_sharding.spec if isinstance(x_sharding, NamedSharding) else P()
-    spec = P(*(tuple(spec) + (None, None))[:2])
-    return NamedSharding(mesh, spec), NamedSharding(mesh, _transposed(spec))
-
-
-@functools.partial(custom_partitioning, static_argnums=(2, 3))
-def _cast_transpose(x, scale, dtype, interpret):
-    return _cast_transpose_local(x, scale, dtype=dtype, interpret=interpret)
-
-
-def _infer(dtype, interpret, mesh, arg_shapes, result_shape):
-    return _shardings(mesh, arg_shapes[0].sharding)
-
-
-def _partition(dtype, interpret, mesh, arg_shapes, result_shape):
-    q_sharding, qt_sharding = _shardings(mesh, arg_shapes[0].sharding)
-    lower = functools.partial(_cast_transpose_local, dtype=dtype, interpret=interpret)
-    return mesh, lower, (q_sharding, qt_sharding), (q_sharding, NamedSharding(mesh, P()))
-
-
-_cast_transpose.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
-                              sharding_rule="i j, k -> i j, j i")
+    return per_shard(local, "i j, s -> i j, j i", replicated=("s",))
 
 
 def cast_transpose(x, scale, dtype, *, interpret: bool = False):
     """x [R, C] (any float dtype), scale f32 scalar -> (q [R, C], q^T [C, R]) in `dtype`, q = saturate(x * scale):
     the same values as `fp8.quantize(x, scale, dtype)` and its transpose."""
-    return _cast_transpose(x, jnp.reshape(scale.astype(jnp.float32), (1,)), dtype, interpret)
+    return _per_shard(jnp.dtype(dtype), bool(interpret))(x, jnp.reshape(scale.astype(jnp.float32), (1,)))

@@ -1,0 +1,62 @@
+"""Pallas kernels under a mesh run on each device's shard (mjax/kernels/per_shard.py): the same values as on the
+whole arrays, and no gather of a dimension that can stay sharded."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mjax.kernels.fp4_pallas import fake_quant_pallas
+from mjax.kernels.fp8_block_gemm import block_gemm_pallas
+from mjax.kernels.fp8_blockwise import expand_cols, quantize_rows, quantize_tiles
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _collectives(f, *args) -> set:
+    hlo = f.lower(*args).compile().as_text()
+    return {c for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce") if c in hlo}
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_fp4_quantize_per_shard(mesh, recipe):
+    """Each device quantizes its shard; NVFP4's tensor scale is the whole tensor's (one all-reduce of the amax)."""
+    x = (jax.random.normal(jax.random.key(0), (512, 256)) * 3).astype(jnp.bfloat16)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "tensor")))
+    f = jax.jit(lambda x: fake_quant_pallas(x, recipe=recipe, interpret=True))
+    got = f(xs)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(f(x), np.float32))
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "tensor")), 2)
+    assert _collectives(f, xs) == ({"all-reduce"} if recipe == "nvfp4" else set())
+
+
+def test_fp4_shard_that_splits_a_block_is_gathered_first(mesh):
+    """48 columns over 2 devices are 24 each, not whole 16-wide blocks: the columns are gathered, values unchanged."""
+    x = (jax.random.normal(jax.random.key(1), (64, 48)) * 3).astype(jnp.bfloat16)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "tensor")))
+    f = jax.jit(lambda x: fake_quant_pallas(x, recipe="nvfp4", interpret=True))
+    np.testing.assert_array_equal(np.asarray(f(xs), np.float32), np.asarray(f(x), np.float32))
+    assert "all-gather" in _collectives(f, xs)
+
+
+def test_blockwise_gemm_per_shard(mesh):
+    """Rows of a over data, rows of b^T over tensor: each device computes its output tile, nothing gathered."""
+    x = jax.random.normal(jax.random.key(2), (512, 256), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(3), (256, 512), jnp.float32) * 0.05
+    a, sa, _ = quantize_rows(x, jnp.float8_e4m3fn)  # [M, K], [M, K/128]
+    b, sb, _ = quantize_tiles(w, jnp.float8_e4m3fn)  # [K, N], [K/128, N/128]
+    bt, sb = b.T, expand_cols(sb)  # [N, K], [K/128, N]
+    placed = [jax.device_put(t, NamedSharding(mesh, s)) for t, s in
+              ((a, P("data", None)), (sa, P("data", None)), (bt, P("tensor", None)), (sb, P(None, "tensor")))]
+    f = jax.jit(lambda *t: block_gemm_pallas(*t, out_dtype=jnp.float32, interpret=True))
+    got = f(*placed)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(f(a, sa, bt, sb)), rtol=1e-6)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "tensor")), 2)
+    assert not _collectives(f, *placed)
