@@ -131,6 +131,13 @@ def test_history_update_most_recent_and_max():
     assert int(stats["fp8_nonfinite_amax"]) == 2
 
 
+def test_overflow_counts_the_scale_the_gemm_used():
+    """Scale 448/4 quantizes with 64: amax 5 fits (320 <= 448) though 5 x 112 would not; amax 8 saturates (512)."""
+    scales = {"l": jnp.array([448 / 4, 448 / 4, 57344.0])}
+    stats = fp8_state.statistics(scales, {"l": jnp.array([5.0, 8.0, 0.5])}, jnp.array([448.0, 448.0, 57344.0]), True)
+    assert int(stats["fp8_overflow"]) == 1
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_kept_fp8_operands_give_the_same_values_and_gradients(recipe):
     """Remat keeping fp8_cast hands the backward the forward's own FP8 operands: same loss and gradients as no

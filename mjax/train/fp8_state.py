@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mjax.kernels.fp8 import FORMATS, fp8_max
+from mjax.kernels.fp8 import FORMATS, fp8_max, pow2_floor
 
 
 @struct.dataclass
@@ -57,9 +57,10 @@ def update(state: Fp8State, observed: dict, precision) -> tuple[Fp8State, dict]:
 
 
 def statistics(scales: dict, observed: dict, maxima, delayed: bool) -> dict:
-    """Scalars for the step's metrics: saturated tensors (amax x scale used > fp8 max; only delayed scaling can
-    overflow, current scaling reports 0), non-finite amaxes, and the range of amaxes and scales."""
-    amaxes, used = jax.tree.leaves(observed), jax.tree.leaves(scales)
+    """Scalars for the step's metrics: saturated tensors (amax x scale used > fp8 max; the GEMMs use each scale
+    rounded down to a power of two; only delayed scaling can overflow, current scaling reports 0), non-finite
+    amaxes, and the range of amaxes and scales."""
+    amaxes, used = jax.tree.leaves(observed), [pow2_floor(s) for s in jax.tree.leaves(scales)]
     if not amaxes:
         return {}
     overflow = sum(jnp.sum(a * s > maxima) for a, s in zip(amaxes, used)) if delayed else jnp.zeros((), jnp.int32)
