@@ -38,9 +38,16 @@ def test_quantize_matches_ml_dtypes(dtype):
 
 
 def test_pow2_floor_is_exact_at_the_edges():
-    s = np.array([1.0, 448 / 3.5, 2.0, np.nextafter(np.float32(2.0), np.float32(0)), 3e-30, 5e30, 57344 / 1e-6],
+    s = np.array([1.0, 448 / 3.5, 2.0, np.nextafter(np.float32(2.0), np.float32(0)), 3e-15, 5e15, 57344 / 1e-6],
                  np.float32)
     np.testing.assert_array_equal(np.asarray(fp8.pow2_floor(jnp.asarray(s))), 2.0 ** np.floor(np.log2(s)))
+    # An amax of 1e-37 gives an infinite fp8_max / amax (zeros times it are NaN, the rest saturates); the scale the
+    # GEMM uses stays finite, so such a tensor quantizes to what it is, next to nothing.
+    tiny = jnp.array([1e-37, -3e-38, 0.0], jnp.float32)
+    scale = fp8.pow2_floor(fp8.scale_from_amax(jnp.max(jnp.abs(tiny)), jnp.float8_e4m3fn))
+    assert float(scale) == 2.0**64
+    q = np.asarray(fp8.quantize(tiny, scale, jnp.float8_e4m3fn), np.float32)
+    assert np.isfinite(q).all() and (np.abs(q) < 1).all()
 
 
 def test_scale_from_amax():

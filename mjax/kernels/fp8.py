@@ -63,10 +63,15 @@ def quantize(x, scale, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
 
 
+SCALE_RANGE = (2.0**-64, 2.0**64)  # scales the GEMMs use: finite, and a product of two inverses stays normal in f32
+
+
 def pow2_floor(scale) -> jax.Array:
-    """The largest power of two <= scale (bit-exact through frexp): a GEMM quantizes with this, so its product is
-    rescaled exactly in any float dtype, and values stay within the FP8 range the full scale allowed."""
-    mantissa, exponent = jnp.frexp(jnp.asarray(scale, jnp.float32))  # scale = mantissa * 2^exponent, [0.5, 1)
+    """The largest power of two <= scale (bit-exact through frexp), after clamping to SCALE_RANGE: a GEMM quantizes
+    with this, so its product is rescaled exactly in any float dtype and values stay within the FP8 range the full
+    scale allowed. (An amax so small that fp8_max / amax overflows to inf still quantizes finitely.)"""
+    clamped = jnp.clip(jnp.asarray(scale, jnp.float32), *SCALE_RANGE)
+    mantissa, exponent = jnp.frexp(clamped)  # clamped = mantissa * 2^exponent, mantissa in [0.5, 1)
     return jnp.ldexp(jnp.ones_like(mantissa), exponent - 1)
 
 
