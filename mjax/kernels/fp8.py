@@ -63,7 +63,7 @@ def quantize(x, scale, dtype) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) * scale, -m, m).astype(dtype)
 
 
-SCALE_RANGE = (2.0**-64, 2.0**64)  # scales the GEMMs use: finite, and a product of two inverses stays normal in f32
+SCALE_RANGE = (2.0**-63, 2.0**63)  # scales the GEMMs use: a product of two and its inverse stay normal f32
 
 
 def pow2_floor(scale) -> jax.Array:
