@@ -166,9 +166,10 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
     if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with --pp={cfg.parallel.pp} is not supported yet: the "
                           "pipeline stages do not carry the FP8 scaling state; drop one of them")
-    if pr.quantize_output_layer and m.cross_entropy_impl == "fused":
-        raise ConfigError("--quantize_output_layer needs --cross_entropy_impl=reference (the fused output layer "
-                          "computes in compute_dtype)")
+    if pr.quantize_output_layer and m.cross_entropy_impl == "fused" and pr.fp8_recipe not in ("delayed", "tensorwise"):
+        raise ConfigError(f"--quantize_output_layer with --cross_entropy_impl=fused quantizes with per-tensor FP8 "
+                          f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
+                          f"--fp4_recipe={pr.fp4_recipe}; use --cross_entropy_impl=reference")
     if pr.fp8_recipe == "blockwise":
         _, micro, _ = resolve_batch(cfg, num_devices)
         dims = {"--hidden_size": m.hidden_size, "--ffn_hidden_size": m.ffn_hidden_size,

@@ -50,6 +50,8 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(parallel=dict(ep=2)), 2, "--ep=2 needs MoE layers"),
     (dict(model=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
     (dict(model=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
+    (dict(model=dict(cross_entropy_impl="fused"), precision=dict(fp4_recipe="nvfp4", quantize_output_layer=True)), 1,
+     "--cross_entropy_impl=reference"),
     (dict(precision=dict(fp8_recipe="bogus"), parallel=dict(pp=2)), 2, "--fp8_recipe='bogus' is not one of"),
     (dict(checkpoint=dict(load_step=3)), 1, "--ckpt_step says what to read from --load"),
     (dict(checkpoint=dict(load_params_only=True)), 1, "--load_params_only says"),

@@ -97,7 +97,9 @@ class Fp8Spec:
         return FORMATS[self.format]
 
 
-def _scales(spec: Fp8Spec, meta, observed, which: int, dtype):
+def gemm_scale(spec: Fp8Spec, meta, observed, which: int, dtype):
+    """The scale a GEMM quantizes operand `which` with: the recipe's (delayed: meta's; tensorwise: from this call's
+    amax), rounded down to a power of two."""
     scale = meta[which] if spec.recipe == "delayed" else scale_from_amax(observed, dtype, spec.margin)
     return pow2_floor(scale)
 
@@ -114,7 +116,7 @@ def fp8_matmul(x, w, meta, spec: Fp8Spec):
     return _fwd(x, w, meta, spec)[0]
 
 
-def _both_layouts(x, scale, dtype, spec: Fp8Spec):
+def both_layouts(x, scale, dtype, spec: Fp8Spec):
     """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN")."""
     if spec.impl == "pallas":
         return cast_transpose(x, scale, dtype, interpret=spec.interpret)
@@ -125,12 +127,12 @@ def _both_layouts(x, scale, dtype, spec: Fp8Spec):
 def _fwd(x, w, meta, spec):
     fwd_dtype, _ = spec.dtypes
     ax, aw = amax(x), amax(w)
-    sx, sw = _scales(spec, meta, ax, META_X, fwd_dtype), _scales(spec, meta, aw, META_W, fwd_dtype)
+    sx, sw = gemm_scale(spec, meta, ax, META_X, fwd_dtype), gemm_scale(spec, meta, aw, META_W, fwd_dtype)
     # Named so that a remat policy can keep the scales, amaxes and the FP8 operands of the backward (1 byte an
     # element) instead of recomputing amaxes and casts there (remat name fp8_cast).
     sx, sw, ax, aw = (checkpoint_name(t, FP8_CAST) for t in (sx, sw, ax, aw))
-    xq, xq_t = _both_layouts(x, sx, fwd_dtype, spec)  # [M, K] forward, [K, M] wgrad
-    wq, wq_t = _both_layouts(w, sw, fwd_dtype, spec)  # [K, N] dgrad, [N, K] forward
+    xq, xq_t = both_layouts(x, sx, fwd_dtype, spec)  # [M, K] forward, [K, M] wgrad
+    wq, wq_t = both_layouts(w, sw, fwd_dtype, spec)  # [K, N] dgrad, [N, K] forward
     xq_t, wq = (_named_fp8(t) for t in (xq_t, wq))
     y = scaled_dot(xq, wq_t, (1, 1), 1.0 / (sx * sw), x.dtype)  # [M, N]
     # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
@@ -141,8 +143,8 @@ def _bwd(spec, res, g):
     xq_t, wq, sx, sw, ax, aw, meta, x_like, w_like = res
     _, grad_dtype = spec.dtypes
     ag = amax(g)
-    sg = _scales(spec, meta, ag, META_G, grad_dtype)
-    gq, gq_t = _both_layouts(g, sg, grad_dtype, spec)  # [M, N] dgrad, [N, M] wgrad
+    sg = gemm_scale(spec, meta, ag, META_G, grad_dtype)
+    gq, gq_t = both_layouts(g, sg, grad_dtype, spec)  # [M, N] dgrad, [N, M] wgrad
     dx = scaled_dot(gq, wq, (1, 1), 1.0 / (sg * sw), x_like.dtype)  # [M, K]
     dw = scaled_dot(xq_t, gq_t, (1, 1), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
     return dx, dw, jnp.stack([ax, aw, ag])

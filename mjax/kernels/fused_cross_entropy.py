@@ -6,6 +6,11 @@ exp is), so the forward does the logits GEMM plus the two gradient GEMMs, exactl
 backward, while the peak memory is one chunk of fp32 logits instead of all of them (at 32768 tokens x 128256 vocab,
 16.8 GB). The result is the *sum* over unmasked tokens, as the train step needs it; its backward scales the saved
 gradients by the incoming cotangent. The z-loss sum is returned for logging only: its cotangent is ignored.
+
+With an Fp8Spec (--quantize_output_layer, per-tensor recipes) the three GEMMs run in FP8 like any quantized
+linear layer (kernels/fp8.py): h and w with whole-tensor scales, the logits' gradient with a scale per chunk
+(tensorwise: that chunk's amax, finer than one scale for all tokens; delayed: the history's). The FP8 scales'
+"gradient" is the observed amaxes of (h, w, logits' gradient over all chunks), as in `fp8_matmul`.
 """
 
 import functools
@@ -13,20 +18,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mjax.kernels import fp8
 from mjax.kernels.cross_entropy import mask_vocab_padding, token_losses
 
 
 def fused_cross_entropy_sums(h, w, targets, mask, *, vocab_axis: int, vocab_size: int, z_loss_coeff: float = 0.0,
-                             chunk: int = 1024, compute_dtype=jnp.bfloat16):
+                             chunk: int = 1024, compute_dtype=jnp.bfloat16, fp8_spec: fp8.Fp8Spec | None = None,
+                             fp8_meta=None):
     """h [B, T, D]; w [V, D] (vocab_axis 0, a tied embedding) or [D, V] (vocab_axis 1); targets [B, T] int;
-    mask [B, T] float. Returns (sum of masked per-token losses incl. z-loss, sum of masked log Z^2)."""
-    return _fused(h, w, targets, mask, vocab_axis, vocab_size, float(z_loss_coeff), int(chunk),
-                  jnp.dtype(compute_dtype))
+    mask [B, T] float; with fp8_spec, fp8_meta [3] the output layer's FP8 scales. Returns (sum of masked
+    per-token losses incl. z-loss, sum of masked log Z^2)."""
+    meta = jnp.ones((3,), jnp.float32) if fp8_meta is None else fp8_meta
+    return _fused(h, w, targets, mask, meta, vocab_axis, vocab_size, float(z_loss_coeff), int(chunk),
+                  jnp.dtype(compute_dtype), fp8_spec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _fused(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype):
-    return _forward(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _fused(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, dtype, spec):
+    return _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, dtype, spec)[0]
 
 
 def _chunks(x, chunk):
@@ -36,47 +45,94 @@ def _chunks(x, chunk):
     return jnp.moveaxis(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 1, 0)
 
 
-def _forward(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype):
+def _bf16_gemms(wc, vocab_axis, dtype):
+    """(logits, dh, dw) GEMMs of one chunk in compute dtype: hb [B, c, D], dlogits [B, c, V] -> f32."""
+    logits_eq, dh_eq, dw_eq = (("bcd,vd->bcv", "bcv,vd->bcd", "bcd,bcv->vd") if vocab_axis == 0
+                               else ("bcd,dv->bcv", "bcv,dv->bcd", "bcd,bcv->dv"))
+    logits = lambda hb: jnp.einsum(logits_eq, hb.astype(dtype), wc, preferred_element_type=jnp.float32)  # noqa: E731
+
+    def grads(hb, dlogits):
+        dlogits = dlogits.astype(dtype)
+        return (jnp.einsum(dh_eq, dlogits, wc, preferred_element_type=jnp.float32),
+                jnp.einsum(dw_eq, hb.astype(dtype), dlogits, preferred_element_type=jnp.float32), 0.0)
+    return logits, grads
+
+
+def _fp8_gemms(h, w, meta, vocab_axis, dtype, spec):
+    """The same GEMMs in FP8, every operand K-major (fp8.both_layouts), w quantized from its own (master) dtype;
+    also returns the amaxes of h and w."""
+    fwd_dt, grad_dt = spec.dtypes
+    ah, aw = fp8.amax(h), fp8.amax(w)
+    sh = fp8.gemm_scale(spec, meta, ah, fp8.META_X, fwd_dt)
+    sw = fp8.gemm_scale(spec, meta, aw, fp8.META_W, fwd_dt)
+    w_dv = w.T if vocab_axis == 0 else w  # [D, V]
+    wq_dv, wq_vd = fp8.both_layouts(w_dv, sw, fwd_dt, spec)  # [D, V] for dh, [V, D] for the logits
+
+    def flat(x):  # [B, c, X] -> [B c, X]
+        return x.reshape(-1, x.shape[-1])
+
+    def logits(hb):
+        hq, _ = fp8.both_layouts(flat(hb.astype(dtype)), sh, fwd_dt, spec)  # [B c, D]
+        return fp8.scaled_dot(hq, wq_vd, (1, 1), 1.0 / (sh * sw), jnp.float32).reshape(*hb.shape[:2], -1)
+
+    def grads(hb, dlogits):
+        g = flat(dlogits)  # [B c, V], f32
+        ag = fp8.amax(g)
+        sg = fp8.gemm_scale(spec, meta, ag, fp8.META_G, grad_dt)
+        gq, gq_t = fp8.both_layouts(g, sg, grad_dt, spec)  # [B c, V], [V, B c]
+        _, hq_t = fp8.both_layouts(flat(hb.astype(dtype)), sh, fwd_dt, spec)  # [D, B c]
+        dh = fp8.scaled_dot(gq, wq_dv, (1, 1), 1.0 / (sg * sw), jnp.float32).reshape(*hb.shape[:2], -1)
+        pair = (gq_t, hq_t) if vocab_axis == 0 else (hq_t, gq_t)  # dw [V, D] or [D, V], contracting tokens
+        dw = fp8.scaled_dot(*pair, (1, 1), 1.0 / (sh * sg), jnp.float32)
+        return dh, dw, ag
+    return logits, grads, ah, aw
+
+
+def _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, dtype, spec):
     b, t, d = h.shape
     chunk = min(chunk, t)
     pad = -t % chunk
     if pad:  # padded positions carry mask 0
         h, targets, mask = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (h, targets, mask))
     wc = w.astype(dtype)
-    logits_eq, dh_eq, dw_eq = (("bcd,vd->bcv", "bcv,vd->bcd", "bcd,bcv->vd") if vocab_axis == 0
-                               else ("bcd,dv->bcv", "bcv,dv->bcd", "bcd,bcv->dv"))
+    if spec is None:
+        logits_gemm, grad_gemms = _bf16_gemms(wc, vocab_axis, dtype)
+        ah = aw = jnp.zeros((), jnp.float32)
+    else:
+        logits_gemm, grad_gemms, ah, aw = _fp8_gemms(h, w, meta, vocab_axis, dtype, spec)
 
-    def body(dw, xs):
+    def body(carry, xs):
+        dw, ag = carry
         hb, tb, mb = xs  # [B, c, D], [B, c], [B, c]
-        logits = jnp.einsum(logits_eq, hb.astype(dtype), wc, preferred_element_type=jnp.float32)  # [B, c, V]
-        logits = mask_vocab_padding(logits, vocab_size)
+        logits = mask_vocab_padding(logits_gemm(hb), vocab_size)  # [B, c, V] f32
         loss, lse = token_losses(logits, tb, z_coeff)  # [B, c]
         probs = jnp.exp(logits - lse[..., None])
         # d(loss)/d(logits) = softmax - one-hot (+ 2 z lse softmax), for unmasked tokens only
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         dlogits = (probs * (1.0 + 2.0 * z_coeff * lse[..., None]) - (vocab_ids == tb[..., None])) * mb[..., None]
-        dlogits = dlogits.astype(dtype)
-        dh = jnp.einsum(dh_eq, dlogits, wc, preferred_element_type=jnp.float32).astype(h.dtype)  # [B, c, D]
-        dw = dw + jnp.einsum(dw_eq, hb.astype(dtype), dlogits, preferred_element_type=jnp.float32)
-        return dw, (jnp.sum(loss * mb), jnp.sum(jnp.square(lse) * mb), dh)
+        dh, dw_chunk, ag_chunk = grad_gemms(hb, dlogits)
+        return (dw + dw_chunk, jnp.maximum(ag, ag_chunk)), (jnp.sum(loss * mb), jnp.sum(jnp.square(lse) * mb),
+                                                            dh.astype(h.dtype))
 
     # A zero that varies over the same manual mesh axes as h and w (inside a pipeline stage's shard_map the scan
     # carry must have the body's varying-axes type); `where` keeps it exactly 0 even if h or w hold NaN.
     zero = jnp.where(True, 0.0, h.ravel()[0].astype(jnp.float32) + w.ravel()[0].astype(jnp.float32))
-    dw, (loss_sums, z_sums, dh) = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32) + zero,
-                                               (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
+    (dw, ag), (loss_sums, z_sums, dh) = jax.lax.scan(
+        body, (jnp.zeros(w.shape, jnp.float32) + zero, zero),
+        (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
     dh = jnp.moveaxis(dh, 0, 1).reshape(b, t + pad, d)[:, :t]  # [B, T, D]
-    return (jnp.sum(loss_sums), jnp.sum(z_sums)), (dh, dw.astype(w.dtype))
+    amaxes = jnp.stack([ah, aw, ag])  # the FP8 scales' "gradient" (zeros unquantized)
+    return (jnp.sum(loss_sums), jnp.sum(z_sums)), (dh, dw.astype(w.dtype), amaxes)
 
 
-def _fused_fwd(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype):
-    return _forward(h, w, targets, mask, vocab_axis, vocab_size, z_coeff, chunk, dtype)
+def _fused_fwd(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, dtype, spec):
+    return _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, dtype, spec)
 
 
-def _fused_bwd(vocab_axis, vocab_size, z_coeff, chunk, dtype, residuals, cotangents):
-    dh, dw = residuals
+def _fused_bwd(vocab_axis, vocab_size, z_coeff, chunk, dtype, spec, residuals, cotangents):
+    dh, dw, amaxes = residuals
     g = cotangents[0]  # the z sum is a metric: its cotangent is dropped
-    return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None, None)
+    return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None, None, amaxes)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -68,13 +68,17 @@ def _resolve_impl(impl: str) -> tuple[str, bool]:
     return impl, impl == "pallas" and not on_gpu
 
 
+def per_tensor_spec(policy: QuantPolicy) -> Fp8Spec:
+    """The Fp8Spec of a delayed / tensorwise policy. `auto` keeps XLA's casts here: the cast-transpose kernel is
+    verified on CPU (values, sharding, its Triton lowering for H200) but not yet timed on a GPU (docs/fp8.md)."""
+    impl, interpret = _resolve_impl("xla" if policy.impl == "auto" else policy.impl)
+    return Fp8Spec(policy.fp8_recipe, policy.fp8_format, policy.fp8_margin, impl, interpret)
+
+
 def quantized_matmul(policy: QuantPolicy, x, w, meta=None):
     """x [M, K] in compute dtype, w [K, N] (master dtype), meta [3] f32 for FP8 -> [M, N] in x.dtype."""
     if policy.fp8_recipe in ("delayed", "tensorwise"):
-        # auto keeps XLA's casts here: the cast-transpose kernel is verified on CPU (values, sharding, its Triton
-        # lowering for H200) but not yet timed on a GPU, so it is opt-in (docs/fp8.md).
-        impl, interpret = _resolve_impl("xla" if policy.impl == "auto" else policy.impl)
-        return fp8_matmul(x, w, meta, Fp8Spec(policy.fp8_recipe, policy.fp8_format, policy.fp8_margin, impl, interpret))
+        return fp8_matmul(x, w, meta, per_tensor_spec(policy))
     if policy.fp8_recipe == "blockwise":
         impl, interpret = _resolve_impl(policy.impl)
         return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))

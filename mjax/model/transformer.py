@@ -147,11 +147,14 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens(tokens, positions)
         return self.final_norm(self.run_layers(x, positions, segment_ids))
 
-    def output_weight(self):
-        """(the output layer's weight, its vocab axis): the tied embedding [V, D] (0) or lm_head [D, V] (1)."""
+    def output_layer(self):
+        """(weight, vocab axis, precision policy, FP8 scales) of the output layer: the tied embedding [V, D] (axis 0)
+        or lm_head [D, V] (axis 1); policy and scales are None unless it is quantized (--quantize_output_layer)."""
         if self.cfg.untie_embeddings_and_output_weights:
-            return self.lm_head.kernel[...], 1
-        return self.embed.embedding[...], 0
+            layer, w, axis = self.lm_head, self.lm_head.kernel[...], 1
+        else:
+            layer, w, axis = self.embed, self.embed.embedding[...], 0
+        return w, axis, layer.quant, None if layer.fp8_meta is None else layer.fp8_meta[...]
 
     def logits(self, h):
         """[B, T, D] -> fp32 logits [B, T, padded vocab]."""

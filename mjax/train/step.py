@@ -7,6 +7,7 @@ import optax
 
 from mjax.kernels.cross_entropy import cross_entropy_reference
 from mjax.kernels.fused_cross_entropy import fused_cross_entropy_sums
+from mjax.kernels.quant import per_tensor_spec
 from mjax.parallel import pipeline
 from mjax.train import fp8_state
 from mjax.train.state import TrainState
@@ -27,10 +28,11 @@ def head_sums(module, h, micro, model_cfg, z_loss_coeff: float):
     --cross_entropy_impl: `fused` never holds the whole fp32 logits."""
     mask = micro["loss_mask"]
     if model_cfg.cross_entropy_impl == "fused":
-        w, vocab_axis = module.output_weight()
+        w, vocab_axis, quant, meta = module.output_layer()
         return fused_cross_entropy_sums(h, w, micro["targets"], mask, vocab_axis=vocab_axis,
                                         vocab_size=model_cfg.vocab_size, z_loss_coeff=z_loss_coeff,
-                                        chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype)
+                                        chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype,
+                                        fp8_spec=None if quant is None else per_tensor_spec(quant), fp8_meta=meta)
     loss, log_z = cross_entropy_reference(module.logits(h), micro["targets"], vocab_size=model_cfg.vocab_size,
                                           z_loss_coeff=z_loss_coeff)
     return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
