@@ -74,3 +74,13 @@ def test_chunks_keep_the_forward_and_move_gradients_within_fp8_rounding():
     np.testing.assert_allclose(four, one, rtol=1e-6)
     assert _rel(dh4, dh1) < 0.02 and _rel(dw4, dw1) < 0.02
     np.testing.assert_allclose(a4, a1, rtol=1e-6)  # the max over chunks is the whole tensor's amax
+
+
+def test_only_per_tensor_recipes_reach_the_fused_fp8_head():
+    """A blockwise or FP4 policy must not quietly run as tensorwise inside the fused loss."""
+    from mjax.kernels.quant import QuantPolicy, per_tensor_spec  # noqa: PLC0415
+
+    assert per_tensor_spec(QuantPolicy(fp8_recipe="delayed")).recipe == "delayed"
+    for policy in (QuantPolicy(fp8_recipe="blockwise"), QuantPolicy(fp4_recipe="nvfp4")):
+        with pytest.raises(ValueError, match="delayed|tensorwise"):
+            per_tensor_spec(policy)

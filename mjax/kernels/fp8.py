@@ -32,8 +32,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.fp8_cast_transpose import cast_transpose
-
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FORMATS = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}  # --fp8_format -> (forward operands, gradients)
@@ -119,6 +117,8 @@ def fp8_matmul(x, w, meta, spec: Fp8Spec):
 def both_layouts(x, scale, dtype, spec: Fp8Spec):
     """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN")."""
     if spec.impl == "pallas":
+        from mjax.kernels.fp8_cast_transpose import cast_transpose  # noqa: PLC0415  (import only when chosen)
+
         return cast_transpose(x, scale, dtype, interpret=spec.interpret)
     q = quantize(x, scale, dtype)
     return q, q.T

@@ -45,22 +45,27 @@ def _chunks(x, chunk):
     return jnp.moveaxis(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 1, 0)
 
 
-def _bf16_gemms(wc, vocab_axis, dtype):
-    """(logits, dh, dw) GEMMs of one chunk in compute dtype: hb [B, c, D], dlogits [B, c, V] -> f32."""
+def _bf16_gemms(w, vocab_axis, dtype):
+    """The GEMMs of one chunk in compute dtype: logits(hb [B, c, D]) -> (f32 [B, c, V], what the gradients reuse);
+    grads(that, dlogits [B, c, V]) -> (dh [B, c, D], dw, amax of dlogits: 0, nothing observes it)."""
+    wc = w.astype(dtype)
     logits_eq, dh_eq, dw_eq = (("bcd,vd->bcv", "bcv,vd->bcd", "bcd,bcv->vd") if vocab_axis == 0
                                else ("bcd,dv->bcv", "bcv,dv->bcd", "bcd,bcv->dv"))
-    logits = lambda hb: jnp.einsum(logits_eq, hb.astype(dtype), wc, preferred_element_type=jnp.float32)  # noqa: E731
 
-    def grads(hb, dlogits):
+    def logits(hb):
+        hc = hb.astype(dtype)
+        return jnp.einsum(logits_eq, hc, wc, preferred_element_type=jnp.float32), hc
+
+    def grads(hc, dlogits):
         dlogits = dlogits.astype(dtype)
         return (jnp.einsum(dh_eq, dlogits, wc, preferred_element_type=jnp.float32),
-                jnp.einsum(dw_eq, hb.astype(dtype), dlogits, preferred_element_type=jnp.float32), 0.0)
+                jnp.einsum(dw_eq, hc, dlogits, preferred_element_type=jnp.float32), 0.0)
     return logits, grads
 
 
 def _fp8_gemms(h, w, meta, vocab_axis, dtype, spec):
-    """The same GEMMs in FP8, every operand K-major (fp8.both_layouts), w quantized from its own (master) dtype;
-    also returns the amaxes of h and w."""
+    """The same GEMMs in FP8, every operand K-major (fp8.both_layouts), w quantized from its own (master) dtype,
+    each chunk's h quantized once for the logits and the weight gradient; also returns the amaxes of h and w."""
     fwd_dt, grad_dt = spec.dtypes
     ah, aw = fp8.amax(h), fp8.amax(w)
     sh = fp8.gemm_scale(spec, meta, ah, fp8.META_X, fwd_dt)
@@ -68,20 +73,19 @@ def _fp8_gemms(h, w, meta, vocab_axis, dtype, spec):
     w_dv = w.T if vocab_axis == 0 else w  # [D, V]
     wq_dv, wq_vd = fp8.both_layouts(w_dv, sw, fwd_dt, spec)  # [D, V] for dh, [V, D] for the logits
 
-    def flat(x):  # [B, c, X] -> [B c, X]
-        return x.reshape(-1, x.shape[-1])
-
     def logits(hb):
-        hq, _ = fp8.both_layouts(flat(hb.astype(dtype)), sh, fwd_dt, spec)  # [B c, D]
-        return fp8.scaled_dot(hq, wq_vd, (1, 1), 1.0 / (sh * sw), jnp.float32).reshape(*hb.shape[:2], -1)
+        b, c, d = hb.shape
+        hq, hq_t = fp8.both_layouts(hb.astype(dtype).reshape(b * c, d), sh, fwd_dt, spec)  # [B c, D], [D, B c]
+        out = fp8.scaled_dot(hq, wq_vd, (1, 1), 1.0 / (sh * sw), jnp.float32)  # [B c, V]
+        return out.reshape(b, c, -1), hq_t
 
-    def grads(hb, dlogits):
-        g = flat(dlogits)  # [B c, V], f32
+    def grads(hq_t, dlogits):
+        b, c, v = dlogits.shape
+        g = dlogits.reshape(b * c, v)  # f32
         ag = fp8.amax(g)
         sg = fp8.gemm_scale(spec, meta, ag, fp8.META_G, grad_dt)
         gq, gq_t = fp8.both_layouts(g, sg, grad_dt, spec)  # [B c, V], [V, B c]
-        _, hq_t = fp8.both_layouts(flat(hb.astype(dtype)), sh, fwd_dt, spec)  # [D, B c]
-        dh = fp8.scaled_dot(gq, wq_dv, (1, 1), 1.0 / (sg * sw), jnp.float32).reshape(*hb.shape[:2], -1)
+        dh = fp8.scaled_dot(gq, wq_dv, (1, 1), 1.0 / (sg * sw), jnp.float32).reshape(b, c, -1)
         pair = (gq_t, hq_t) if vocab_axis == 0 else (hq_t, gq_t)  # dw [V, D] or [D, V], contracting tokens
         dw = fp8.scaled_dot(*pair, (1, 1), 1.0 / (sh * sg), jnp.float32)
         return dh, dw, ag
@@ -94,9 +98,8 @@ def _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, 
     pad = -t % chunk
     if pad:  # padded positions carry mask 0
         h, targets, mask = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (h, targets, mask))
-    wc = w.astype(dtype)
     if spec is None:
-        logits_gemm, grad_gemms = _bf16_gemms(wc, vocab_axis, dtype)
+        logits_gemm, grad_gemms = _bf16_gemms(w, vocab_axis, dtype)
         ah = aw = jnp.zeros((), jnp.float32)
     else:
         logits_gemm, grad_gemms, ah, aw = _fp8_gemms(h, w, meta, vocab_axis, dtype, spec)
@@ -104,13 +107,14 @@ def _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, 
     def body(carry, xs):
         dw, ag = carry
         hb, tb, mb = xs  # [B, c, D], [B, c], [B, c]
-        logits = mask_vocab_padding(logits_gemm(hb), vocab_size)  # [B, c, V] f32
+        logits, operand = logits_gemm(hb)  # [B, c, V] f32, the chunk's h as the weight gradient reads it
+        logits = mask_vocab_padding(logits, vocab_size)
         loss, lse = token_losses(logits, tb, z_coeff)  # [B, c]
         probs = jnp.exp(logits - lse[..., None])
         # d(loss)/d(logits) = softmax - one-hot (+ 2 z lse softmax), for unmasked tokens only
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         dlogits = (probs * (1.0 + 2.0 * z_coeff * lse[..., None]) - (vocab_ids == tb[..., None])) * mb[..., None]
-        dh, dw_chunk, ag_chunk = grad_gemms(hb, dlogits)
+        dh, dw_chunk, ag_chunk = grad_gemms(operand, dlogits)
         return (dw + dw_chunk, jnp.maximum(ag, ag_chunk)), (jnp.sum(loss * mb), jnp.sum(jnp.square(lse) * mb),
                                                             dh.astype(h.dtype))
 
