@@ -146,7 +146,7 @@ class PrecisionConfig:
         "router.")
     quant_impl: str = _field("auto", "quant_impl", "auto | xla | pallas: kernels of the quantization (per-tensor FP8: "
                              "cast-transpose; blockwise FP8: GEMM; FP4: quantize) (auto: pallas on GPU, the pure-JAX "
-                             "reference elsewhere; per-tensor FP8 keeps XLA's casts unless pallas is asked for).")
+                             "reference elsewhere).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ Sections, in priority order, each saved to the JSON as soon as it ends (a timeou
 """
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -37,7 +38,7 @@ from jax import lax  # noqa: E402
 from mjax.config import load_config  # noqa: E402
 from mjax.kernels import fp4, fp8_blockwise  # noqa: E402
 from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
-from mjax.kernels.fp8_cast_transpose import cast_transpose  # noqa: E402
+from mjax.kernels.fp8_cast_transpose import cast_transpose, cast_transpose_local  # noqa: E402
 from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
 from mjax.train.benchmark import synthetic_batch  # noqa: E402
@@ -245,6 +246,40 @@ def quant_section(args) -> dict:
     return {"shape": [m, n], "rows": rows}
 
 
+CT_TILES = ((128, 128, 8), (128, 128, 4), (64, 256, 8), (64, 128, 4), (32, 128, 4), (128, 256, 8), (256, 64, 8))
+
+
+def ct_tiles_section(args) -> dict:
+    """The cast-transpose kernel's tile (rows, cols, warps) on the shapes a 3B FP8 step quantizes: the gate/up
+    gradient, an activation, an f32 weight; GB/s moved against a copy of the same array in the same run."""
+    interpret = jax.default_backend() != "gpu"
+    shapes = (((256, 512), jnp.bfloat16, jnp.float8_e5m2),) if args.smoke else (
+        ((32768, 16384), jnp.bfloat16, jnp.float8_e5m2), ((32768, 3072), jnp.bfloat16, E4M3),
+        ((3072, 16384), jnp.float32, E4M3))
+    rows = []
+    for shape, dtype, qdtype in shapes:
+        x = jax.random.normal(jax.random.key(0), shape, dtype)
+        scale = jnp.ones((1,), jnp.float32)
+        size = x.size * x.dtype.itemsize
+        copy = time_fn(jax.jit(lambda x: x * 2), x)
+        rows.append({"shape": list(shape), "dtype": jnp.dtype(dtype).name, "case": "copy (ceiling)",
+                     "us": round(copy * 1e6, 1), "GB/s": round(2 * size / copy / 1e9)})
+        print(f"[{elapsed():6.1f}s] ct_tiles {rows[-1]}", flush=True)
+        for br, bc, warps in CT_TILES[:2] if args.smoke else CT_TILES:
+            fn = jax.jit(functools.partial(cast_transpose_local, dtype=qdtype, interpret=interpret, tile=(br, bc),
+                                           num_warps=warps))
+            row = {"shape": list(shape), "dtype": jnp.dtype(dtype).name, "case": f"tile {br}x{bc}, {warps} warps"}
+            try:
+                t = time_fn(fn, x, scale)
+                gbs = (size + 2 * x.size) / t / 1e9  # read x, write two 1-byte copies
+                row.update(us=round(t * 1e6, 1), **{"GB/s": round(gbs), "of_copy": round(gbs / (2 * size / copy / 1e9), 3)})
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:1500]
+            rows.append(row)
+            print(f"[{elapsed():6.1f}s] ct_tiles {row}", flush=True)
+    return {"rows": rows}
+
+
 # ---------------------------------------------------------------- end to end
 
 def e2e_section(args, results, save) -> dict:
@@ -330,6 +365,7 @@ def main():
         ("e2e", lambda: e2e_section(args, results, save)),
         ("gemm", lambda: gemm_section(args)),
         ("quant", lambda: quant_section(args)),
+        ("ct_tiles", lambda: ct_tiles_section(args)),
         ("hlo2", lambda: hlo_section(args, {"delayed": dict(fp8_recipe="delayed"),
                                             "blockwise": dict(fp8_recipe="blockwise"),
                                             "nvfp4": dict(fp4_recipe="nvfp4")})),

@@ -2,7 +2,7 @@
 # One-GPU throughput for docs/performance.md and docs/fp8.md, most informative first (each run has its own
 # timeout, so a slow compile costs only its own row): the quantization passes against a copy's bandwidth, the 1B
 # preset next to the plain-JAX baseline in the same process, the 3B preset in bf16, then in FP8 (tensorwise and
-# delayed), every step profiled; HEAD=1, CT=1 and GEMM=1 add the rows described at the end; QUANT=0 and DEFAULT=0
+# delayed), every step profiled; HEAD=1, XLA_CASTS=1 and GEMM=1 add the rows described at the end; QUANT=0 and DEFAULT=0
 # skip the pass benchmark and the default rows (e.g. DEFAULT=0 QUANT=0 GEMM=1 for the GEMM table alone).
 # Run from the repo root on the GPU machine:  OUT=runs/gpu bash scripts/gpu_throughput.sh
 # Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
@@ -27,15 +27,16 @@ if [ "${DEFAULT:-1}" = 1 ]; then  # DEFAULT=0 skips the default rows
   done
 fi
 # Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
-# too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with the cast-transpose kernel (CT=1), and every recipe's GEMM and linear-layer throughput next to
+# too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
+# instead of the cast-transpose kernel (XLA_CASTS=1), and every recipe's GEMM and linear-layer throughput next to
 # bf16's (GEMM=1).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
 fi
-if [ "${CT:-0}" = 1 ]; then  # the FP8 step with the cast-transpose kernel making its FP8 copies
-  one 3b_fp8_tensorwise_cast_transpose ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
-    --fp8_recipe=tensorwise --quant_impl=pallas --profile_steps=1
+if [ "${XLA_CASTS:-0}" = 1 ]; then  # the FP8 step with XLA making its FP8 copies
+  one 3b_fp8_tensorwise_xla_casts ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
+    --fp8_recipe=tensorwise --quant_impl=xla --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \

@@ -7,7 +7,7 @@ import pytest
 
 from mjax.kernels.fp4_pallas import fake_quant_pallas
 from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
-from mjax.kernels.fp8_cast_transpose import _cast_transpose_local
+from mjax.kernels.fp8_cast_transpose import cast_transpose_local
 from tests.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -31,7 +31,7 @@ def test_blockwise_fp8_gemms_lower(fmt):
 @pytest.mark.parametrize("src", [jnp.bfloat16, jnp.float32])
 def test_fp8_cast_transpose_lowers(dtype, src):
     """The kernel itself (its custom_partitioning wrapper needs real devices to lower)."""
-    f = lambda x, s: _cast_transpose_local(x, s, dtype=dtype, interpret=False)  # noqa: E731
+    f = lambda x, s: cast_transpose_local(x, s, dtype=dtype, interpret=False)  # noqa: E731
     assert lower_for_h200(f, jnp.zeros((256, 384), src), jnp.ones((1,), jnp.float32)) == 1
 
 
