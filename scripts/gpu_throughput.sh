@@ -28,8 +28,9 @@ if [ "${DEFAULT:-1}" = 1 ]; then  # DEFAULT=0 skips the default rows
 fi
 # Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
 # too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
-# instead of the cast-transpose kernel (XLA_CASTS=1), and every recipe's GEMM and linear-layer throughput next to
-# bf16's (GEMM=1).
+# instead of the cast-transpose kernel (XLA_CASTS=1), the other recipes end to end (RECIPES=1: blockwise FP8,
+# NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), and every recipe's GEMM and linear-layer
+# throughput next to bf16's (GEMM=1).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
@@ -37,6 +38,11 @@ fi
 if [ "${XLA_CASTS:-0}" = 1 ]; then  # the FP8 step with XLA making its FP8 copies
   one 3b_fp8_tensorwise_xla_casts ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quant_impl=xla --profile_steps=1
+fi
+if [ "${RECIPES:-0}" = 1 ]; then
+  one 3b_fp8_blockwise ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=blockwise --profile_steps=1
+  one 3b_nvfp4 ${TFP8:-170} --config=llama3.2-3b --fp4_recipe=nvfp4 --profile_steps=1
+  one 3b_mxfp4_rht ${TFP8:-170} --config=llama3.2-3b --fp4_recipe=mxfp4 --fp4_hadamard --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \

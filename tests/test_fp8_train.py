@@ -21,11 +21,15 @@ from tests.train_utils import pattern_batches, tiny_config
 STEPS, WINDOW_TOL, FINAL_TOL = 50, 0.15, 0.06
 RECIPES = {"bf16": {}, "delayed": dict(fp8_recipe="delayed", fp8_amax_history_len=4),
            "tensorwise": dict(fp8_recipe="tensorwise"), "blockwise": dict(fp8_recipe="blockwise"),
-           "nvfp4": dict(fp4_recipe="nvfp4"), "mxfp4": dict(fp4_recipe="mxfp4", fp4_hadamard=True)}
+           "nvfp4": dict(fp4_recipe="nvfp4"), "mxfp4": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
+           # the output layer in FP8 too, through the fused loss (model options under "model")
+           "tensorwise_fp8_head": dict(fp8_recipe="tensorwise", quantize_output_layer=True,
+                                       model=dict(cross_entropy_impl="fused"))}
 
 
-def _cfg(**precision):
-    return tiny_config(model=dict(hidden_size=128, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=256),
+def _cfg(model=None, **precision):
+    return tiny_config(model=dict(hidden_size=128, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=256,
+                                  **(model or {})),
                        precision={"compute_dtype": "bfloat16", **precision},
                        train=dict(global_batch_size=8, seq_length=32, train_iters=STEPS),
                        optimizer=dict(lr=5e-3))
@@ -118,6 +122,7 @@ def runs():
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         out[name] = (cfg, model, state, np.array(losses), jax.device_get(metrics))
+        print(name, "windows", np.round(np.array(losses).reshape(-1, 10).mean(1), 3))
     return out
 
 
