@@ -55,6 +55,10 @@ class ModelConfig:
     sliding_window: int | None = _field(None, "window_size", "Sliding-window attention span (Mistral).")
     init_method_std: float = _field(0.02, "init_method_std")
     attention_impl: str = _field("auto", "attention_impl", "auto | xla | cudnn | pallas")
+    qkv_grad_impl: str = _field(
+        "xla", "qkv_grad_impl", "xla | pallas: how the backward assembles the fused QKV projection's gradient from "
+        "dQ, dK (rotated back) and dV: autodiff's concatenate, or one Pallas pass (kernels/qkv_rope_grad.py; RoPE "
+        "models with the fused projection).")
     cross_entropy_impl: str = _field(
         "reference", "cross_entropy_impl",
         "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks; no whole logits)")

@@ -67,6 +67,7 @@ def validate_model(cfg: Config) -> None:
     _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
     _choice(m.attention_impl, attention.IMPLS, "model.attention_impl")
+    _choice(m.qkv_grad_impl, ("xla", "pallas"), "model.qkv_grad_impl")
     _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")
     _positive(m.cross_entropy_chunk, "cross_entropy_chunk")
     _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")

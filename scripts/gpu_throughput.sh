@@ -29,8 +29,9 @@ fi
 # Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
 # too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
 # instead of the cast-transpose kernel (XLA_CASTS=1), the other recipes end to end (RECIPES=1: blockwise FP8,
-# NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), and every recipe's GEMM and linear-layer
-# throughput next to bf16's (GEMM=1).
+# NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), the fused QKV gradient assembled by the
+# Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step in bf16 and FP8 with it), and
+# every recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
@@ -43,6 +44,13 @@ if [ "${RECIPES:-0}" = 1 ]; then
   one 3b_fp8_blockwise ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=blockwise --profile_steps=1
   one 3b_nvfp4 ${TFP8:-170} --config=llama3.2-3b --fp4_recipe=nvfp4 --profile_steps=1
   one 3b_mxfp4_rht ${TFP8:-170} --config=llama3.2-3b --fp4_recipe=mxfp4 --fp4_hadamard --profile_steps=1
+fi
+if [ "${QKV:-0}" = 1 ]; then
+  timeout 60 $PY scripts/bench_qkv_grad.py --out="$OUT/qkv_grad.json" >"$LOGS/qkv_grad.log" 2>&1 || status=1
+  grep -A4 "^case" "$LOGS/qkv_grad.log"
+  one 3b_qkv_pallas ${T3B:-90} --config=llama3.2-3b --model.qkv_grad_impl=pallas --profile_steps=1
+  one 3b_fp8_tensorwise_qkv_pallas ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
+    --fp8_recipe=tensorwise --model.qkv_grad_impl=pallas --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \

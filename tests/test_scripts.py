@@ -50,3 +50,13 @@ def test_layout_check_script_matches_one_device_on_every_layout(tmp_path):
     rows = json.loads((tmp_path / "l.json").read_text())["rows"]
     assert {r["layout"] for r in rows} == {"dp2", "fsdp2", "zero1 dp2", "tp2 sp dp1", "tp2 fsdp1", "pp2 dp1"}
     assert all(r["max_rel_diff"] < 1e-4 for r in rows)
+
+
+def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_qkv_grad.py"), "--smoke",
+                          f"--out={tmp_path / 'q.json'}"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert [r["case"].split(":")[0] for r in rows] == ["copy of the same bytes (ceiling)", "xla", "pallas"]
+    assert rows[0]["of_copy"] == 1.0 and all(r["us"] > 0 for r in rows)

@@ -9,6 +9,7 @@ whole number of the kernel's blocks (`multiple_of`), in which case it is gathere
 
 import math
 
+from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -19,13 +20,16 @@ def _parse(rule: str) -> tuple[list[list[str]], list[list[str]]]:
     return [t.split() for t in ins.split(",")], [t.split() for t in outs.split(",")]
 
 
-def per_shard(local_fn, rule: str, *, replicated: tuple[str, ...] = (), multiple_of: dict | None = None):
-    """local_fn(*arrays) -> array or tuple of arrays, correct on the whole arrays and on any one shard of them."""
+def per_shard(local_fn, rule: str, *, replicated: tuple[str, ...] = (), multiple_of: dict | None = None,
+              max_over_shards: tuple[int, ...] = ()):
+    """local_fn(*arrays) -> array or tuple of arrays, correct on the whole arrays and on any one shard of them.
+    Results listed in `max_over_shards` (by position; replicated factors only) are a shard's maximum, made the
+    whole array's by a max over the devices holding the other shards."""
     ins, outs = _parse(rule)
     multiple_of = multiple_of or {}
 
     def factor_axes(mesh, arg_shapes) -> dict:
-        axes = {}
+        axes = dict.fromkeys(replicated)  # including factors only the results have (a new dimension's size)
         for dims, arg in zip(ins, arg_shapes):
             spec = arg.sharding.spec if isinstance(arg.sharding, NamedSharding) else P()
             spec = tuple(spec) + (None,) * (len(dims) - len(spec))
@@ -52,7 +56,14 @@ def per_shard(local_fn, rule: str, *, replicated: tuple[str, ...] = (), multiple
 
     def partition(mesh, arg_shapes, result_shape):
         axes = factor_axes(mesh, arg_shapes)
-        return mesh, local_fn, results(mesh, axes), shardings(mesh, axes, ins)
+        sharded = tuple(dict.fromkeys(a for f in axes.values() if f is not None
+                                      for a in (f if isinstance(f, tuple) else (f,))))
+        lower = local_fn
+        if max_over_shards and sharded:
+            def lower(*args):
+                out = local_fn(*args)
+                return tuple(lax.pmax(o, sharded) if i in max_over_shards else o for i, o in enumerate(out))
+        return mesh, lower, results(mesh, axes), shardings(mesh, axes, ins)
 
     op = custom_partitioning(local_fn)
     op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,

@@ -4,8 +4,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import dot_product_attention
-from mjax.model.layers import Linear, fused_linear, output_std
-from mjax.model.rope import apply_rope, rope_frequencies
+from mjax.model.layers import Linear, fused_linear, fused_product, output_std
+from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv
 from mjax.model.sharding import constrain, splits_evenly
 
 
@@ -30,17 +30,25 @@ class Attention(nnx.Module):
         cfg = self.cfg
         n, k, h = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        if splits_evenly("kv_heads", k):
-            q, k_, v = fused_linear(x, parts, ((k, n // k, h), (k, 1, h), (k, 1, h)), axis=1)
-        else:
-            q, k_, v = (p(x) for p in parts)
-        q = constrain(q, ("batch", "seq", "heads", "head_dim"))  # [B, T, N, H]
-        k_ = constrain(k_, ("batch", "seq", "kv_heads", "head_dim"))  # [B, T, K, H]
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        if cfg.position_embedding_type == "rope":
+        fused = splits_evenly("kv_heads", k)
+        shapes = ((k, n // k, h), (k, 1, h), (k, 1, h))
+        rope = cfg.position_embedding_type == "rope"
+        if fused and rope and cfg.qkv_grad_impl == "pallas":
+            y = fused_product(x, parts, shapes, axis=1)  # [B, T, K, G + 2, H]
+            q, k_, v = split_qkv(y, *rope_cos_sin(positions, rope_frequencies(cfg)))
+            return self._constrain(q, k_, v)
+        q, k_, v = fused_linear(x, parts, shapes, axis=1) if fused else (p(x) for p in parts)
+        q, k_, v = self._constrain(q, k_, v)
+        if rope:
             inv_freq = rope_frequencies(cfg)
             q, k_ = apply_rope(q, positions, inv_freq), apply_rope(k_, positions, inv_freq)
         return q, k_, v
+
+    @staticmethod
+    def _constrain(q, k, v):
+        return (constrain(q, ("batch", "seq", "heads", "head_dim")),  # [B, T, N, H]
+                constrain(k, ("batch", "seq", "kv_heads", "head_dim")),  # [B, T, K, H]
+                constrain(v, ("batch", "seq", "kv_heads", "head_dim")))
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""

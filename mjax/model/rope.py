@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 
@@ -20,14 +21,49 @@ def rope_frequencies(cfg) -> jnp.ndarray:
     return jnp.where(wavelen > low_wavelen, inv / cfg.rope_scaling_factor, jnp.where(wavelen < high_wavelen, inv, mid))
 
 
+def rope_cos_sin(positions, inv_freq):
+    """positions [B, T] -> cos, sin of the rotation angles, [B, T, H/2] f32."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, positions, inv_freq):
     """x: [B, T, N, H]; positions: [B, T]. Rotates the two halves of the head dim (computed in fp32):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), written as x cos + swap(x) (-sin, sin) with the halves on an axis
-    of two, so forward and backward are elementwise passes (splitting and concatenating the halves is a
-    concatenate, which XLA emits one operand at a time, reading x twice)."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, None, :]  # [B, T, 1, 1, H/2]
-    sin = jnp.sin(angles)[:, :, None, None, :] * jnp.array([-1.0, 1.0])[:, None]  # [B, T, 1, 2, H/2]
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    return rotate(x, *rope_cos_sin(positions, inv_freq))
+
+
+def rotate(x, cos, sin):
+    """x [B, T, N, H] rotated by cos, sin [B, T, H/2]: x cos + swap(x) (-sin, sin) with the halves on an axis of
+    two, so forward and backward are elementwise passes (splitting and concatenating the halves is a concatenate,
+    which XLA emits one operand at a time, reading x twice)."""
+    cos = cos[:, :, None, None, :]  # [B, T, 1, 1, H/2]
+    sin = sin[:, :, None, None, :] * jnp.array([-1.0, 1.0])[:, None]  # [B, T, 1, 2, H/2]
     halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [B, T, N, 2, H/2]
     out = halves * cos + jnp.flip(halves, axis=-2) * sin
     return out.reshape(x.shape).astype(x.dtype)
+
+
+@jax.custom_vjp
+def split_qkv(y, cos, sin):
+    """The fused QKV output y [B, T, K, G + 2, H] (per KV head: G query heads, K, V) -> q [B, T, K*G, H] and k
+    [B, T, K, H] rotated by cos, sin [B, T, H/2], and v [B, T, K, H]; the backward assembles y's gradient in one
+    Pallas pass (kernels/qkv_rope_grad.py) instead of autodiff's concatenate."""
+    return _split_rotate(y, cos, sin)
+
+
+def _split_rotate(y, cos, sin):
+    b, t, k, slots, h = y.shape
+    q = y[:, :, :, :slots - 2].reshape(b, t, k * (slots - 2), h)  # [B, T, K, G, H] -> [B, T, N, H]
+    return rotate(q, cos, sin), rotate(y[:, :, :, slots - 2], cos, sin), y[:, :, :, slots - 1]
+
+
+def _split_qkv_bwd(res, grads):
+    from mjax.kernels.qkv_rope_grad import qkv_rope_grad  # noqa: PLC0415  (import only when chosen)
+
+    cos, sin = res
+    dy = qkv_rope_grad(*grads, cos, sin, interpret=jax.default_backend() != "gpu")  # [B, T, K, G + 2, H]
+    return dy, jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+split_qkv.defvjp(lambda y, cos, sin: (_split_rotate(y, cos, sin), (cos, sin)), _split_qkv_bwd)

@@ -25,6 +25,20 @@ def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16, iters: int =
     return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
 
+def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
+    """Mean seconds per call of f(*args) after compile and warm-up; one block at the end of the timed loop."""
+    jax.block_until_ready(f(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    one = max(time.perf_counter() - t, 1e-6)
+    n = int(min(max_iters, max(3, min_s / one)))
+    t = time.perf_counter()
+    for _ in range(n):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / n
+
+
 def synthetic_batch(cfg, setup, seed=0):
     rng = np.random.default_rng(seed)
     b, t = cfg.train.global_batch_size // jax.process_count(), cfg.train.seq_length
