@@ -41,7 +41,7 @@ from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
 from mjax.kernels.fp8_cast_transpose import cast_transpose, cast_transpose_local  # noqa: E402
 from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
-from mjax.train.benchmark import synthetic_batch  # noqa: E402
+from mjax.train.benchmark import synthetic_batch, time_fn  # noqa: E402
 from mjax.train.fp8_state import Fp8State  # noqa: E402
 from mjax.train.loop import build  # noqa: E402
 from mjax.train.metrics import flops_per_step  # noqa: E402
@@ -70,20 +70,6 @@ def kernel_census(hlo: str) -> dict:
             "pallas_fp4_quant": "mjax_fp4_fake_quant" in hlo,
             "f4e2m1fn_present": "f4e2m1fn" in hlo,
             "cudnn": sum("__cudnn$" in ln for ln in calls)}
-
-
-def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
-    """Mean seconds per call after compile and warm-up; one block at the end of the timed loop."""
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    one = max(time.perf_counter() - t, 1e-6)
-    n = int(min(max_iters, max(3, min_s / one)))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n
 
 
 # ---------------------------------------------------------------- small-model train steps (HLO)
@@ -227,6 +213,8 @@ def quant_section(args) -> dict:
         ("quantize + transposed copy", lambda x: (lambda q: (q, q.T))(quantize(x, scale, E4M3)), 4),
         ("cast-transpose kernel (quantize, both layouts, one pass)",
          lambda x: cast_transpose(x, scale, E4M3, interpret=jax.default_backend() != "gpu"), 4),
+        ("cast-transpose kernel + amax (delayed: one pass)",
+         lambda x: cast_transpose(x, scale, E4M3, interpret=jax.default_backend() != "gpu", with_amax=True), 4),
         ("tensorwise: amax, then quantize", lambda x: quantize(x, 448 / jnp.max(jnp.abs(x)).astype(jnp.float32),
                                                               E4M3), 5),
         ("delayed: quantize and amax in one pass",

@@ -46,3 +46,31 @@ def test_cast_transpose_sharded_without_gathers(spec):
     assert qt.sharding.is_equivalent_to(NamedSharding(mesh, P(cols, rows)), 2)
     hlo = f.lower(xs, jnp.float32(2.0)).compile().as_text()
     assert not any(c in hlo for c in ("all-gather", "all-to-all", "collective-permute", "all-reduce"))
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (300, 200)])
+def test_amax_from_the_same_pass(shape):
+    """with_amax (delayed scaling): max |x| of the unscaled input, exactly, whatever the padding; NaN or inf in x
+    make it non-finite, as the reference's max."""
+    x = (jax.random.normal(jax.random.key(2), shape) * 30).astype(jnp.bfloat16)
+    f = jax.jit(lambda x: cast_transpose(x, jnp.float32(4.0), jnp.float8_e4m3fn, interpret=True, with_amax=True))
+    q, qt, a = f(x)
+    assert a.shape == () and a.dtype == jnp.float32
+    assert float(a) == float(jnp.max(jnp.abs(x)))
+    np.testing.assert_array_equal(_f32(q), _f32(quantize(x, 4.0, jnp.float8_e4m3fn)))
+    for bad in (jnp.nan, -jnp.inf):
+        assert not np.isfinite(float(f(x.at[shape[0] - 1, 3].set(bad))[2]))
+
+
+def test_amax_sharded_is_the_whole_tensors():
+    """Each device's tile maxima, then one max over the devices (a scalar all-reduce, no gather)."""
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = (jax.random.normal(jax.random.key(3), (512, 256)) * 30).astype(jnp.bfloat16).at[17, 200].set(1000.0)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "tensor")))
+    f = jax.jit(lambda x: cast_transpose(x, jnp.float32(0.25), jnp.float8_e4m3fn, interpret=True, with_amax=True))
+    q, qt, a = f(xs)
+    assert float(a) == 1000.0
+    np.testing.assert_array_equal(_f32(q), _f32(quantize(x, 0.25, jnp.float8_e4m3fn)))
+    assert q.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "tensor")), 2)
+    hlo = f.lower(xs).compile().as_text()
+    assert "all-reduce" in hlo and not any(c in hlo for c in ("all-gather", "all-to-all", "collective-permute"))

@@ -200,8 +200,8 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
     np.testing.assert_allclose(out["attn_out"][2], out["fp8_cast"][2], rtol=1e-3)
 
 
-@pytest.mark.parametrize("recipe", [dict(fp8_recipe="tensorwise"), dict(fp8_recipe="blockwise"),
-                                    dict(fp4_recipe="nvfp4")])
+@pytest.mark.parametrize("recipe", [dict(fp8_recipe="tensorwise"), dict(fp8_recipe="delayed"),
+                                    dict(fp8_recipe="blockwise"), dict(fp4_recipe="nvfp4")])
 def test_pallas_kernels_under_tp_sp_match_the_xla_reference(recipe):
     """--quant_impl=pallas (the kernels interpreted, each on its device's shard) with the layers sharded tp2 + sp
     over 8 devices trains like the pure-JAX reference under the same layout (which GSPMD partitions itself). The

@@ -29,9 +29,10 @@ def test_blockwise_fp8_gemms_lower(fmt):
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 @pytest.mark.parametrize("src", [jnp.bfloat16, jnp.float32])
-def test_fp8_cast_transpose_lowers(dtype, src):
+@pytest.mark.parametrize("with_amax", [False, True])
+def test_fp8_cast_transpose_lowers(dtype, src, with_amax):
     """The kernel itself (its custom_partitioning wrapper needs real devices to lower)."""
-    f = lambda x, s: cast_transpose_local(x, s, dtype=dtype, interpret=False)  # noqa: E731
+    f = lambda x, s: cast_transpose_local(x, s, dtype=dtype, interpret=False, with_amax=with_amax)  # noqa: E731
     assert lower_for_h200(f, jnp.zeros((256, 384), src), jnp.ones((1,), jnp.float32)) == 1
 
 

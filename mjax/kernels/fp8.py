@@ -114,25 +114,37 @@ def fp8_matmul(x, w, meta, spec: Fp8Spec):
     return _fwd(x, w, meta, spec)[0]
 
 
-def both_layouts(x, scale, dtype, spec: Fp8Spec):
-    """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN")."""
+def both_layouts(x, scale, dtype, spec: Fp8Spec, with_amax: bool = False):
+    """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN");
+    with_amax: and max |x|, in the same pass (the kernel; XLA fuses its reduce with the cast)."""
     if spec.impl == "pallas":
         from mjax.kernels.fp8_cast_transpose import cast_transpose  # noqa: PLC0415  (import only when chosen)
 
-        return cast_transpose(x, scale, dtype, interpret=spec.interpret)
+        return cast_transpose(x, scale, dtype, interpret=spec.interpret, with_amax=with_amax)
     q = quantize(x, scale, dtype)
-    return q, q.T
+    return (q, q.T, amax(x)) if with_amax else (q, q.T)
+
+
+def quantize_operand(x, spec: Fp8Spec, meta, which: int, dtype):
+    """x's FP8 copies in both layouts, the scale they used and x's amax. Tensorwise takes the amax first (the scale
+    depends on it); delayed has its scale from the history and observes the amax in the quantizing pass."""
+    if spec.recipe == "delayed":
+        scale = gemm_scale(spec, meta, None, which, dtype)
+        q, q_t, a = both_layouts(x, scale, dtype, spec, with_amax=True)
+    else:
+        a = amax(x)
+        scale = gemm_scale(spec, meta, a, which, dtype)
+        q, q_t = both_layouts(x, scale, dtype, spec)
+    return q, q_t, scale, a
 
 
 def _fwd(x, w, meta, spec):
     fwd_dtype, _ = spec.dtypes
-    ax, aw = amax(x), amax(w)
-    sx, sw = gemm_scale(spec, meta, ax, META_X, fwd_dtype), gemm_scale(spec, meta, aw, META_W, fwd_dtype)
+    xq, xq_t, sx, ax = quantize_operand(x, spec, meta, META_X, fwd_dtype)  # [M, K] forward, [K, M] wgrad
+    wq, wq_t, sw, aw = quantize_operand(w, spec, meta, META_W, fwd_dtype)  # [K, N] dgrad, [N, K] forward
     # Named so that a remat policy can keep the scales, amaxes and the FP8 operands of the backward (1 byte an
     # element) instead of recomputing amaxes and casts there (remat name fp8_cast).
     sx, sw, ax, aw = (checkpoint_name(t, FP8_CAST) for t in (sx, sw, ax, aw))
-    xq, xq_t = both_layouts(x, sx, fwd_dtype, spec)  # [M, K] forward, [K, M] wgrad
-    wq, wq_t = both_layouts(w, sw, fwd_dtype, spec)  # [K, N] dgrad, [N, K] forward
     xq_t, wq = (_named_fp8(t) for t in (xq_t, wq))
     y = scaled_dot(xq, wq_t, (1, 1), 1.0 / (sx * sw), x.dtype)  # [M, N]
     # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
@@ -142,9 +154,7 @@ def _fwd(x, w, meta, spec):
 def _bwd(spec, res, g):
     xq_t, wq, sx, sw, ax, aw, meta, x_like, w_like = res
     _, grad_dtype = spec.dtypes
-    ag = amax(g)
-    sg = gemm_scale(spec, meta, ag, META_G, grad_dtype)
-    gq, gq_t = both_layouts(g, sg, grad_dtype, spec)  # [M, N] dgrad, [N, M] wgrad
+    gq, gq_t, sg, ag = quantize_operand(g, spec, meta, META_G, grad_dtype)  # [M, N] dgrad, [N, M] wgrad
     dx = scaled_dot(gq, wq, (1, 1), 1.0 / (sg * sw), x_like.dtype)  # [M, K]
     dw = scaled_dot(xq_t, gq_t, (1, 1), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
     return dx, dw, jnp.stack([ax, aw, ag])
