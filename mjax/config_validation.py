@@ -68,6 +68,10 @@ def validate_model(cfg: Config) -> None:
     _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
     _choice(m.attention_impl, attention.IMPLS, "model.attention_impl")
     _choice(m.qkv_grad_impl, ("xla", "pallas"), "model.qkv_grad_impl")
+    half = m.head_dim // 2
+    if m.qkv_grad_impl == "pallas" and (m.head_dim % 2 or half & (half - 1)):
+        raise ConfigError(f"--model.qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "
+                          f"(Triton's tile sizes), got head dim {m.head_dim}; use --model.qkv_grad_impl=xla")
     _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")
     _positive(m.cross_entropy_chunk, "cross_entropy_chunk")
     _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")

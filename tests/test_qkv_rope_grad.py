@@ -124,3 +124,12 @@ def test_attention_backward_runs_the_chosen_assembly(impl):
     fwd = jax.jit(lambda x: sum(jnp.sum(t.astype(jnp.float32)) for t in attn.project_qkv(x, pos)))
     assert "mjax_qkv_rope_grad" not in str(jax.make_jaxpr(fwd)(x))
     assert ("mjax_qkv_rope_grad" in str(jax.make_jaxpr(jax.grad(fwd))(x))) == (impl == "pallas")
+
+
+def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
+    from mjax.config import ConfigError, load_config  # noqa: PLC0415
+
+    cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", kv_channels=96))
+    with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs half the head dim"):
+        cfg.validate(1)
+    cfg.replace(model=dict(kv_channels=128)).validate(1)
