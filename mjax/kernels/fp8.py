@@ -127,13 +127,16 @@ def both_layouts(x, scale, dtype, spec: Fp8Spec, with_amax: bool = False):
 
 def quantize_operand(x, spec: Fp8Spec, meta, which: int, dtype):
     """x's FP8 copies in both layouts, the scale they used and x's amax. Tensorwise takes the amax first (the scale
-    depends on it); delayed has its scale from the history and observes the amax in the quantizing pass."""
+    depends on it); delayed has its scale from the history and observes the amax in the quantizing pass. Scale and
+    amax are named (remat name fp8_cast) before anything uses them, so that a remat policy keeping them (and the
+    FP8 operands of the backward, 1 byte an element) does not redo amaxes and casts in the backward."""
     if spec.recipe == "delayed":
-        scale = gemm_scale(spec, meta, None, which, dtype)
+        scale = checkpoint_name(gemm_scale(spec, meta, None, which, dtype), FP8_CAST)
         q, q_t, a = both_layouts(x, scale, dtype, spec, with_amax=True)
+        a = checkpoint_name(a, FP8_CAST)
     else:
-        a = amax(x)
-        scale = gemm_scale(spec, meta, a, which, dtype)
+        a = checkpoint_name(amax(x), FP8_CAST)
+        scale = checkpoint_name(gemm_scale(spec, meta, a, which, dtype), FP8_CAST)
         q, q_t = both_layouts(x, scale, dtype, spec)
     return q, q_t, scale, a
 
@@ -142,9 +145,6 @@ def _fwd(x, w, meta, spec):
     fwd_dtype, _ = spec.dtypes
     xq, xq_t, sx, ax = quantize_operand(x, spec, meta, META_X, fwd_dtype)  # [M, K] forward, [K, M] wgrad
     wq, wq_t, sw, aw = quantize_operand(w, spec, meta, META_W, fwd_dtype)  # [K, N] dgrad, [N, K] forward
-    # Named so that a remat policy can keep the scales, amaxes and the FP8 operands of the backward (1 byte an
-    # element) instead of recomputing amaxes and casts there (remat name fp8_cast).
-    sx, sw, ax, aw = (checkpoint_name(t, FP8_CAST) for t in (sx, sw, ax, aw))
     xq_t, wq = (_named_fp8(t) for t in (xq_t, wq))
     y = scaled_dot(xq, wq_t, (1, 1), 1.0 / (sx * sw), x.dtype)  # [M, N]
     # Zero-size arrays carry the primal dtypes into the backward (residuals must be arrays).
