@@ -140,6 +140,9 @@ class PrecisionConfig:
         None, "fp4_recipe", "nvfp4 | mxfp4: e2m1 GEMM inputs with 16-element e4m3 (+ fp32 tensor) or 32-element "
         "e8m0 block scales, emulated on Hopper (quantize -> dequantize -> bf16 GEMM).")
     fp4_hadamard: bool = _field(False, "fp4_hadamard", "Random Hadamard transform on the FP4 wgrad inputs.")
+    fp4_stochastic_rounding: bool = _field(
+        False, "fp4_stochastic_rounding", "Round the FP4 copies of the output gradient (dgrad and wgrad inputs) "
+        "stochastically instead of to nearest.")
     first_last_layers_bf16: bool = _field(
         False, "first_last_layers_bf16", "Keep the first/last transformer layers of an FP8/FP4 run in compute_dtype.")
     num_layers_at_start_in_bf16: int = _field(1, "num_layers_at_start_in_bf16")

@@ -154,6 +154,9 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
         raise ConfigError(f"--model.remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; drop it")
+    for flag in ("fp4_hadamard", "fp4_stochastic_rounding"):
+        if getattr(pr, flag) and pr.fp4_recipe is None:
+            raise ConfigError(f"--{flag} applies to FP4 GEMMs; it needs --fp4_recipe=nvfp4|mxfp4")
     if pr.fp8_recipe is None and pr.fp4_recipe is None:
         return
     if pr.fp8_recipe is not None and pr.fp4_recipe is not None:

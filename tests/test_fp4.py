@@ -85,7 +85,7 @@ def test_fp4_matmul_grads_close_to_exact(recipe, hadamard, impl):
     kx, kw = jax.random.split(jax.random.key(4))
     x = jax.random.normal(kx, (100, 96)).astype(jnp.bfloat16)  # 100 tokens: padded for 16/32 blocks and the RHT
     w = jax.random.normal(kw, (96, 64)) * 0.05
-    spec = fp4.Fp4Spec(recipe, hadamard, impl, interpret=True)
+    spec = fp4.Fp4Spec(recipe, hadamard, impl=impl, interpret=True)
 
     def loss(f, x, w):
         return jnp.sum(jnp.sin(3 * f(x, w).astype(jnp.float32)))
@@ -107,7 +107,7 @@ def test_fp4_matmul_gemms_are_products_of_separately_quantized_operands(recipe, 
     x = jnp.asarray(rng.standard_normal((32, 64)) * np.exp(rng.standard_normal((32, 1))), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
     g = jnp.asarray(rng.standard_normal((32, 32)) * np.exp(rng.standard_normal((32, 1))), jnp.bfloat16)
-    spec = fp4.Fp4Spec(recipe, hadamard, impl, interpret=True)
+    spec = fp4.Fp4Spec(recipe, hadamard, impl=impl, interpret=True)
     y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
     dx, dw = vjp(g)
 
@@ -127,3 +127,68 @@ def test_fp4_matmul_gemms_are_products_of_separately_quantized_operands(recipe, 
         # Normwise: within 0.5% here; skipping a quantization or quantizing along the wrong axis is off by 12-22%.
         got = np.asarray(got, np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, name
+
+
+# ---------------------------------------------------------------- stochastic rounding (--fp4_stochastic_rounding)
+
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
+    """Over u on a fine grid of [0, 1): every result is one of v's two e2m1 neighbours, the mean is v (to the
+    grid's resolution), and grid values stay put."""
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    v = jnp.asarray([0.1, 0.3, 0.75, 1.2, 1.9, 2.5, 2.25, 3.9, 4.5, 5.99, -2.75, -0.2, *grid, *-grid[1:]],
+                    jnp.float32)
+    u = (jnp.arange(4096, dtype=jnp.float32) + 0.5) / 4096
+    r = np.asarray(jax.vmap(lambda u: fp4.round_e2m1_stochastic(v, u))(u))  # [U, V]
+    vn = np.asarray(v)
+    lo = np.array([grid[grid <= abs(a)].max() for a in vn]) * np.sign(vn)
+    hi = np.array([grid[grid >= abs(a)].min() for a in vn]) * np.sign(vn)
+    assert np.all((r == lo) | (r == hi))
+    np.testing.assert_allclose(r.mean(0), vn, atol=1e-3)
+    on_grid = np.isin(np.abs(vn), grid)
+    assert np.all(r[:, on_grid] == vn[on_grid])
+
+
+def test_stochastic_fake_quant_removes_the_rounding_bias():
+    """MXFP4 blocks of 32 whose amax 6 makes the scale 1: the other elements at 2.5 round to 2 (ties to even) with
+    round-to-nearest, always; stochastically half go to 3, so their mean stays 2.5. At 2.25 a quarter go up."""
+    for value, up in ((2.5, 0.5), (2.25, 0.25)):
+        x = np.full((256, 128), value, np.float32)
+        x[:, ::32] = 6.0
+        x = jnp.asarray(x, jnp.bfloat16)
+        nearest = np.asarray(fp4.fake_quant_reference(x, "mxfp4"), np.float32)
+        sr = np.asarray(fp4.fake_quant_reference(x, "mxfp4", stochastic=True), np.float32)
+        rest = np.ones(x.shape, bool)
+        rest[:, ::32] = False
+        assert np.all(nearest[rest] == 2.0) and np.all(sr[~rest] == 6.0)
+        assert set(np.unique(sr[rest])) == {2.0, 3.0}
+        assert abs(np.mean(sr[rest] == 3.0) - up) < 0.02  # 31,744 draws: sd 0.003
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_stochastic_pallas_kernel_matches_reference_bitwise(recipe):
+    x = jnp.asarray(_data((48, 256), seed=7), jnp.bfloat16)  # 48 rows: the kernel pads to whole programs
+    want = np.asarray(fp4.fake_quant_reference(x, recipe, stochastic=True), np.float32)
+    got = np.asarray(fake_quant_pallas(x, recipe=recipe, interpret=True, stochastic=True), np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want, np.asarray(fp4.fake_quant_reference(x, recipe), np.float32))
+
+
+def test_stochastic_rounding_touches_only_the_output_gradient():
+    """The forward is unchanged; dx and dw move (their g copies round differently) and stay as close to the exact
+    gradients as round-to-nearest's."""
+    kx, kw, kg = jax.random.split(jax.random.key(8), 3)
+    x = jax.random.normal(kx, (128, 96)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (96, 64)) * 0.05
+    g = jax.random.normal(kg, (128, 64)).astype(jnp.bfloat16)
+    out = {}
+    for sr in (False, True):
+        spec = fp4.Fp4Spec("nvfp4", stochastic=sr, impl="xla")
+        y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
+        out[sr] = (np.asarray(y, np.float32), *(np.asarray(t, np.float32) for t in vjp(g)))
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    exact = (np.asarray(g, np.float32) @ np.asarray(w, np.float32).T,
+             np.asarray(x, np.float32).T @ np.asarray(g, np.float32))
+    for i, want in zip((1, 2), exact):
+        assert not np.array_equal(out[True][i], out[False][i])
+        err = {sr: np.linalg.norm(out[sr][i] - want) / np.linalg.norm(want) for sr in (False, True)}
+        assert err[True] < 1.5 * err[False] < 0.5, err

@@ -21,7 +21,8 @@ from tests.train_utils import pattern_batches, tiny_config
 STEPS, WINDOW_TOL, FINAL_TOL = 50, 0.15, 0.06
 RECIPES = {"bf16": {}, "delayed": dict(fp8_recipe="delayed", fp8_amax_history_len=4),
            "tensorwise": dict(fp8_recipe="tensorwise"), "blockwise": dict(fp8_recipe="blockwise"),
-           "nvfp4": dict(fp4_recipe="nvfp4"), "mxfp4": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
+           "nvfp4": dict(fp4_recipe="nvfp4"), "nvfp4_stochastic": dict(fp4_recipe="nvfp4", fp4_stochastic_rounding=True),
+           "mxfp4": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
            # the output layer in FP8 too, through the fused loss (model options under "model")
            "tensorwise_fp8_head": dict(fp8_recipe="tensorwise", quantize_output_layer=True,
                                        model=dict(cross_entropy_impl="fused"))}
@@ -38,6 +39,7 @@ def _cfg(model=None, **precision):
 @pytest.mark.parametrize("precision,match", [
     (dict(fp8_recipe="tensorwise", fp4_recipe="nvfp4"), "choose one"),
     (dict(fp8_recipe="fp8"), "--fp8_recipe='fp8' is not one of"),
+    (dict(fp4_stochastic_rounding=True), "--fp4_stochastic_rounding applies to FP4 GEMMs"),
     (dict(fp8_recipe="blockwise", compute_dtype="float16"), "--bf16"),
     (dict(fp8_recipe="delayed", first_last_layers_bf16=True, num_layers_at_end_in_bf16=1,
           num_layers_at_start_in_bf16=1), "at least one"),

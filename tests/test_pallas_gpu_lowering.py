@@ -37,5 +37,7 @@ def test_fp8_cast_transpose_lowers(dtype, src, with_amax):
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
-def test_fp4_quantize_kernel_lowers(recipe):
-    assert lower_for_h200(lambda x: fake_quant_pallas(x, recipe=recipe), jnp.zeros((256, 512), jnp.bfloat16)) == 1
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp4_quantize_kernel_lowers(recipe, stochastic):
+    f = lambda x: fake_quant_pallas(x, recipe=recipe, stochastic=stochastic)  # noqa: E731
+    assert lower_for_h200(f, jnp.zeros((256, 512), jnp.bfloat16)) == 1

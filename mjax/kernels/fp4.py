@@ -14,7 +14,8 @@ kernel (`fp4_pallas.py`, the fused path) is opaque to XLA and rounds to the e2m1
 `fp4_matmul` quantizes all six GEMM inputs of a linear layer: forward x, w along K; dgrad grad, w along N;
 wgrad x, grad along the tokens M, optionally after a random Hadamard transform (RHT) over 16-token groups. The
 RHT is orthogonal and applied to both wgrad operands, so it cancels in x^T g while spreading outliers across each
-block before quantization (NVIDIA's NVFP4 recipe).
+block before quantization (NVIDIA's NVFP4 recipe). Optionally the output gradient's two copies are rounded
+stochastically (unbiased) instead of to nearest, as that recipe does for gradients.
 """
 
 import dataclasses
@@ -53,8 +54,32 @@ def _blocks(x, recipe: str):
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // b, b)
 
 
-def fake_quant_reference(x, recipe: str, out_dtype=None):
-    """Quantize along the last axis to e2m1 with `recipe`'s block scales, then dequantize. Same shape as x."""
+def uniform_hash(index, x) -> jax.Array:
+    """A uniform [0, 1) per element from its flat index and its value's bits (uint32 arithmetic; murmur3's
+    finalizer): the random bits of stochastic rounding, the same in the reference and the Pallas kernel, different
+    wherever the value or its position differs."""
+    h = index.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * 2.0**-24
+
+
+def round_e2m1_stochastic(v, u) -> jax.Array:
+    """|v| <= 6 rounded to one of its two neighbours on the e2m1 grid (0, 0.5, 1, 1.5, 2, 3, 4, 6), up with
+    probability equal to the distance from the lower one over the spacing, given u uniform in [0, 1): unbiased,
+    E[round(v)] = v. Every step is exact in f32 (power-of-two spacings), so kernel and reference agree bitwise."""
+    a = jnp.abs(v)
+    step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+    lo = jnp.floor(a / step) * step
+    q = jnp.minimum(lo + jnp.where(u < (a - lo) / step, step, 0.0), E2M1_MAX)
+    return jnp.where(v < 0, -q, q)
+
+
+def fake_quant_reference(x, recipe: str, out_dtype=None, stochastic: bool = False):
+    """Quantize along the last axis to e2m1 with `recipe`'s block scales, then dequantize. Same shape as x.
+    stochastic: round each element stochastically (`round_e2m1_stochastic`, bits from `uniform_hash` of its flat
+    index in x) instead of to nearest."""
     out_dtype = out_dtype or x.dtype
     xb = _blocks(x, recipe)  # [..., C/B, B]
     block_amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
@@ -64,8 +89,11 @@ def fake_quant_reference(x, recipe: str, out_dtype=None):
         s = lax.optimization_barrier(s).astype(jnp.float32) * g  # the block's dequantization factor
     else:
         s = e8m0_round_up(jnp.maximum(block_amax / E2M1_MAX, 2.0**-126))
-    q = jnp.clip(xb / jnp.where(s > 0, s, 1.0), -E2M1_MAX, E2M1_MAX).astype(E2M1)
-    q = lax.optimization_barrier(q)  # keeps XLA from folding the f32 -> e2m1 -> f32 round trip away
+    v = jnp.clip(xb / jnp.where(s > 0, s, 1.0), -E2M1_MAX, E2M1_MAX)
+    if stochastic:
+        index = lax.iota(jnp.uint32, x.size).reshape(xb.shape)
+        v = round_e2m1_stochastic(v, uniform_hash(index, xb))  # on the grid: the cast below is exact
+    q = lax.optimization_barrier(v.astype(E2M1))  # keeps XLA from folding the f32 -> e2m1 -> f32 round trip away
     return (q.astype(jnp.float32) * s).reshape(x.shape).astype(out_dtype)
 
 
@@ -89,23 +117,24 @@ def hadamard_rows(x):
 class Fp4Spec:
     recipe: str = "nvfp4"  # nvfp4 | mxfp4
     hadamard: bool = False  # RHT on the wgrad operands
+    stochastic: bool = False  # stochastic rounding of the output gradient (dgrad and wgrad operands)
     impl: str = "xla"  # xla (reference) | pallas (fused kernel)
     interpret: bool = False
 
 
-def fake_quant(x, spec: Fp4Spec, axis: int):
+def fake_quant(x, spec: Fp4Spec, axis: int, stochastic: bool = False):
     """Quantize-dequantize a 2-D array in blocks along `axis`; zero padding (exact) to a whole block."""
     if axis == 0:
-        return fake_quant(x.T, spec, 1).T
+        return fake_quant(x.T, spec, 1, stochastic).T
     b = BLOCKS[spec.recipe]
     pad = -x.shape[1] % b
     xp = jnp.pad(x, ((0, 0), (0, pad))) if pad else x
     if spec.impl == "pallas":
         from mjax.kernels.fp4_pallas import fake_quant_pallas  # noqa: PLC0415  (import only when chosen)
 
-        out = fake_quant_pallas(xp, recipe=spec.recipe, interpret=spec.interpret)
+        out = fake_quant_pallas(xp, recipe=spec.recipe, interpret=spec.interpret, stochastic=stochastic)
     else:
-        out = fake_quant_reference(xp, spec.recipe)
+        out = fake_quant_reference(xp, spec.recipe, stochastic=stochastic)
     return out[:, : x.shape[1]] if pad else out
 
 
@@ -128,12 +157,13 @@ def _fwd(x, w, spec):
 
 def _bwd(spec, res, g):
     x, wc, w_like = res
-    dx = _dot(fake_quant(g, spec, 1), fake_quant(wc, spec, 1), (1, 1), x.dtype)  # [M, K], contracting N
+    sr = spec.stochastic
+    dx = _dot(fake_quant(g, spec, 1, sr), fake_quant(wc, spec, 1), (1, 1), x.dtype)  # [M, K], contracting N
     xt, gt = x, g
     if spec.hadamard:
         pad = -x.shape[0] % HADAMARD_SIZE  # zero tokens change neither the product nor any amax
         xt, gt = (hadamard_rows(jnp.pad(t, ((0, pad), (0, 0)))) for t in (x, g))
-    dw = _dot(fake_quant(xt, spec, 0), fake_quant(gt, spec, 0), (0, 0), jnp.float32)  # [K, N], contracting M
+    dw = _dot(fake_quant(xt, spec, 0), fake_quant(gt, spec, 0, sr), (0, 0), jnp.float32)  # [K, N], contracting M
     return dx, dw.astype(w_like.dtype)
 
 

@@ -36,6 +36,7 @@ class QuantPolicy:
     fp8_margin: int = 0
     fp4_recipe: str | None = None
     fp4_hadamard: bool = False
+    fp4_stochastic_rounding: bool = False
     impl: str = "auto"
     bf16_layers: tuple[int, int] = (0, 0)  # transformer layers kept in compute dtype at the (start, end)
     output_layer: bool = False  # quantize the LM head too (Megatron keeps it in bf16)
@@ -54,7 +55,8 @@ def policy_from_precision(precision) -> QuantPolicy | None:
     keep = ((precision.num_layers_at_start_in_bf16, precision.num_layers_at_end_in_bf16)
             if precision.first_last_layers_bf16 else (0, 0))
     return QuantPolicy(fp8_recipe=fp8, fp8_format=precision.fp8_format, fp8_margin=precision.fp8_margin,
-                       fp4_recipe=fp4, fp4_hadamard=precision.fp4_hadamard, impl=precision.quant_impl,
+                       fp4_recipe=fp4, fp4_hadamard=precision.fp4_hadamard,
+                       fp4_stochastic_rounding=precision.fp4_stochastic_rounding, impl=precision.quant_impl,
                        bf16_layers=keep, output_layer=precision.quantize_output_layer)
 
 
@@ -87,7 +89,8 @@ def quantized_matmul(policy: QuantPolicy, x, w, meta=None):
         return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))
     if policy.fp4_recipe in FP4_RECIPES:
         impl, interpret = _resolve_impl(policy.impl)
-        return fp4_matmul(x, w, Fp4Spec(policy.fp4_recipe, policy.fp4_hadamard, impl, interpret))
+        return fp4_matmul(x, w, Fp4Spec(policy.fp4_recipe, policy.fp4_hadamard, policy.fp4_stochastic_rounding, impl,
+                                         interpret))
     raise ValueError(f"no quantized matmul for --fp8_recipe={policy.fp8_recipe} --fp4_recipe={policy.fp4_recipe}")
 
 
