@@ -30,8 +30,9 @@ fi
 # too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
 # instead of the cast-transpose kernel (XLA_CASTS=1), the other recipes end to end (RECIPES=1: blockwise FP8,
 # NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), the fused QKV gradient assembled by the
-# Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step in bf16 and FP8 with it), and
-# every recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1).
+# Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step in bf16 and FP8 with it), every
+# recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1), and every recipe's loss curve against bf16's
+# on the bundled corpus (CONVERGE=1: a ~30M-parameter Llama, 600 steps of 32 x 1024 tokens each).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
@@ -56,6 +57,13 @@ if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \
     --out="$OUT/gemm.json" >"$LOGS/gemm.log" 2>&1 || status=1
   grep "gemm {" "$LOGS/gemm.log"
+fi
+if [ "${CONVERGE:-0}" = 1 ]; then
+  timeout 540 $PY scripts/convergence.py --config=tiny --model.hidden_size=512 --model.num_layers=8 \
+    --model.num_attention_heads=8 --model.num_query_groups=8 --model.ffn_hidden_size=1536 --seq_length=1024 \
+    --global_batch_size=32 --bf16 --train_iters=600 --window=100 --recipes=bf16,tensorwise,delayed,blockwise,nvfp4,nvfp4_sr,mxfp4_rht \
+    --out="$OUT/convergence.json" >"$LOGS/convergence.log" 2>&1 || status=1
+  grep -A8 "^mean loss" "$LOGS/convergence.log"
 fi
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 exit $status

@@ -60,3 +60,19 @@ def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
     rows = json.loads((tmp_path / "q.json").read_text())["rows"]
     assert [r["case"].split(":")[0] for r in rows] == ["copy of the same bytes (ceiling)", "xla", "pallas"]
     assert rows[0]["of_copy"] == 1.0 and all(r["us"] > 0 for r in rows)
+
+
+def test_convergence_script_trains_each_recipe_from_the_same_start(tmp_path):
+    run = lambda *f: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / "scripts" / "convergence.py"), "--config=tiny", "--model.num_layers=1",
+         "--train_iters=4", "--window=2", "--bf16", "--global_batch_size=8", "--seq_length=64", *f],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run("--recipes=bf16,tensorwise,nvfp4", f"--out={tmp_path / 'c.json'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "c.json").read_text())["recipes"]
+    assert list(rows) == ["bf16", "tensorwise", "nvfp4"] and rows["bf16"]["max_abs_diff"] == 0
+    assert all(len(r["windows"]) == 2 for r in rows.values())
+    assert 0 < rows["nvfp4"]["max_abs_diff"] < 0.2  # a different run, and not a diverged one
+    assert all(5 < w < 8 for r in rows.values() for w in r["windows"])  # ~ln(vocab) at the start, finite
+    bad = run("--recipes=bf16,fp3")
+    assert bad.returncode == 2 and "--recipes: unknown ['fp3']" in bad.stderr

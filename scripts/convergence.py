@@ -1,0 +1,88 @@
+"""Loss curves of one model trained with each precision recipe from the same init and data, against bf16's.
+
+  python scripts/convergence.py --config=tiny --train_iters=500 --recipes=bf16,tensorwise,delayed,nvfp4 --window=50
+
+Every config flag of train.py applies to all runs (the data: the bundled corpus unless --data_path is given).
+Prints one table: the mean loss of each window of --window steps per recipe, and each recipe's largest window
+difference from the first recipe (bf16), then writes the same as JSON (--out).
+"""
+
+import json
+import logging
+import sys
+
+from absl import app, flags
+
+from mjax.config import ConfigError
+from mjax.config_flags import config_from_flags, define_config_flags
+from mjax.logging_setup import setup_logging
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()  # before JAX initialises a backend
+
+RECIPES = {  # name -> precision flags on top of the base config
+    "bf16": {},
+    "tensorwise": dict(fp8_recipe="tensorwise"),
+    "delayed": dict(fp8_recipe="delayed"),
+    "blockwise": dict(fp8_recipe="blockwise"),
+    "nvfp4": dict(fp4_recipe="nvfp4"),
+    "nvfp4_sr": dict(fp4_recipe="nvfp4", fp4_stochastic_rounding=True),
+    "mxfp4_rht": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
+}
+
+define_config_flags()
+flags.DEFINE_list("recipes", ["bf16", "tensorwise", "delayed", "blockwise", "nvfp4", "mxfp4_rht"],
+                  f"Recipes to train, the first is the reference: {', '.join(RECIPES)}.")
+flags.DEFINE_integer("window", 50, "Steps per averaged window of the loss.")
+flags.DEFINE_string("out", None, "Write the windows as JSON here.")
+FLAGS = flags.FLAGS
+log = logging.getLogger("mjax")
+
+
+def windows(losses: list[float], size: int) -> list[float]:
+    """Mean of each whole window of `size` steps."""
+    n = len(losses) // size
+    return [sum(losses[i * size:(i + 1) * size]) / size for i in range(n)]
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    setup_logging()
+    try:
+        unknown = [r for r in FLAGS.recipes if r not in RECIPES]
+        if unknown:
+            raise ConfigError(f"--recipes: unknown {unknown}; choose from {', '.join(RECIPES)}")
+        base = config_from_flags()
+        if base.checkpoint.save or base.checkpoint.load:  # a later recipe would resume an earlier one's run
+            raise ConfigError("--save / --load: each recipe trains from the same fresh init here; drop them")
+        base = base.replace(logging=dict(progress=False, log_interval=1))  # one loss per step in the history
+        import jax  # noqa: PLC0415
+
+        from mjax.train.loop import train  # noqa: PLC0415
+
+        curves = {}
+        for name in FLAGS.recipes:
+            cfg = base.replace(precision=RECIPES[name])
+            cfg.validate(jax.device_count())
+            losses = [float(r["loss"]) for r in train(cfg).history]
+            if len(losses) < FLAGS.window:
+                raise ConfigError(f"--train_iters={len(losses)} is shorter than one --window={FLAGS.window}")
+            curves[name] = windows(losses, FLAGS.window)
+            log.info("%s: %s", name, " ".join(f"{v:.3f}" for v in curves[name]))
+    except ConfigError as e:
+        log.error("configuration error: %s", e)
+        return 2
+    ref = curves[FLAGS.recipes[0]]
+    rows = {name: {"windows": w, "max_abs_diff": max(abs(a - b) for a, b in zip(w, ref))} for name, w in curves.items()}
+    print(f"mean loss per {FLAGS.window} steps; max |diff| against {FLAGS.recipes[0]}")
+    for name, row in rows.items():
+        print(f"{name:12} {' '.join(f'{v:.3f}' for v in row['windows'])}   {row['max_abs_diff']:.3f}")
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump({"window": FLAGS.window, "config": base.to_dict(), "recipes": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
