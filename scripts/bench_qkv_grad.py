@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mjax.kernels.qkv_rope_grad import qkv_rope_grad  # noqa: E402
-from mjax.model.rope import _split_rotate, rope_cos_sin  # noqa: E402
+from mjax.model.rope import rope_cos_sin, split_rotate  # noqa: E402
 from mjax.train.benchmark import time_fn  # noqa: E402
 
 flags.DEFINE_bool("smoke", False, "Small shapes, kernel interpreted: checks the script off GPU.")
@@ -36,7 +36,7 @@ def main(_):
     y = jax.random.normal(key[0], (b, t, k, g + 2, h), jnp.bfloat16)
     cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)),
                             1.0 / (500000.0 ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)))
-    outs, vjp = jax.vjp(lambda y: _split_rotate(y, cos, sin), y)
+    outs, vjp = jax.vjp(lambda y: split_rotate(y, cos, sin), y)
     cts = tuple(jax.random.normal(key[1], o.shape, o.dtype) for o in outs)
     moved = 2 * y.size * y.dtype.itemsize  # read the three gradients, write the fused one (angles: in L2)
     cases = [("copy of the same bytes (ceiling)", jax.jit(lambda y: y * 2), (y,)),

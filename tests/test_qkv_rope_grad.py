@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mjax.kernels.qkv_rope_grad import qkv_rope_grad, qkv_rope_grad_local
-from mjax.model.rope import _split_rotate, rope_cos_sin, split_qkv
+from mjax.model.rope import rope_cos_sin, split_qkv, split_rotate
 from tests.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -59,7 +59,7 @@ def test_split_qkv_is_the_split_forward_and_its_gradient_to_one_ulp():
     b, t, k, g, h = 2, 200, 2, 3, 64
     y = jax.random.normal(jax.random.key(5), (b, t, k, g + 2, h), jnp.bfloat16)
     _, _, _, cos, sin = _case()
-    want_out, want_vjp = jax.vjp(lambda y: _split_rotate(y, cos, sin), y)
+    want_out, want_vjp = jax.vjp(lambda y: split_rotate(y, cos, sin), y)
     got_out, got_vjp = jax.vjp(lambda y: split_qkv(y, cos, sin), y)
     for got, want in zip(got_out, want_out):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -67,11 +67,10 @@ def _fp8_gemms(h, w, meta, vocab_axis, dtype, spec):
     """The same GEMMs in FP8, every operand K-major (fp8.both_layouts), w quantized from its own (master) dtype,
     each chunk's h quantized once for the logits and the weight gradient; also returns the amaxes of h and w."""
     fwd_dt, grad_dt = spec.dtypes
-    ah, aw = fp8.amax(h), fp8.amax(w)
+    ah = fp8.amax(h)  # h is quantized chunk by chunk with the whole tensor's scale
     sh = fp8.gemm_scale(spec, meta, ah, fp8.META_X, fwd_dt)
-    sw = fp8.gemm_scale(spec, meta, aw, fp8.META_W, fwd_dt)
     w_dv = w.T if vocab_axis == 0 else w  # [D, V]
-    wq_dv, wq_vd = fp8.both_layouts(w_dv, sw, fwd_dt, spec)  # [D, V] for dh, [V, D] for the logits
+    wq_dv, wq_vd, sw, aw = fp8.quantize_operand(w_dv, spec, meta, fp8.META_W, fwd_dt)  # [D, V] dh, [V, D] logits
 
     def logits(hb):
         b, c, d = hb.shape
@@ -82,9 +81,7 @@ def _fp8_gemms(h, w, meta, vocab_axis, dtype, spec):
     def grads(hq_t, dlogits):
         b, c, v = dlogits.shape
         g = dlogits.reshape(b * c, v)  # f32
-        ag = fp8.amax(g)
-        sg = fp8.gemm_scale(spec, meta, ag, fp8.META_G, grad_dt)
-        gq, gq_t = fp8.both_layouts(g, sg, grad_dt, spec)  # [B c, V], [V, B c]
+        gq, gq_t, sg, ag = fp8.quantize_operand(g, spec, meta, fp8.META_G, grad_dt)  # [B c, V], [V, B c]
         dh = fp8.scaled_dot(gq, wq_dv, (1, 1), 1.0 / (sg * sw), jnp.float32).reshape(b, c, -1)
         pair = (gq_t, hq_t) if vocab_axis == 0 else (hq_t, gq_t)  # dw [V, D] or [D, V], contracting tokens
         dw = fp8.scaled_dot(*pair, (1, 1), 1.0 / (sh * sg), jnp.float32)

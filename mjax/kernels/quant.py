@@ -10,8 +10,7 @@ None means the plain compute-dtype matmul. `quantized_matmul` picks the implemen
 | --fp8_recipe=blockwise     | 1x128 / 128x128 block scales            | pallas: fp8_block_gemm; xla: f32 dequant GEMM |
 | --fp4_recipe=nvfp4 / mxfp4 | e2m1 quantize -> dequantize, bf16 GEMM  | pallas: fused fake-quant; xla: casts+barriers |
 
-`--quant_impl=auto` takes pallas on GPU and xla elsewhere (per-tensor FP8: xla until its kernel is measured);
-`pallas` off GPU runs the kernels interpreted (tests).
+`--quant_impl=auto` takes pallas on GPU and xla elsewhere; `pallas` off GPU runs the kernels interpreted (tests).
 """
 
 import dataclasses

@@ -49,10 +49,11 @@ def split_qkv(y, cos, sin):
     """The fused QKV output y [B, T, K, G + 2, H] (per KV head: G query heads, K, V) -> q [B, T, K*G, H] and k
     [B, T, K, H] rotated by cos, sin [B, T, H/2], and v [B, T, K, H]; the backward assembles y's gradient in one
     Pallas pass (kernels/qkv_rope_grad.py) instead of autodiff's concatenate."""
-    return _split_rotate(y, cos, sin)
+    return split_rotate(y, cos, sin)
 
 
-def _split_rotate(y, cos, sin):
+def split_rotate(y, cos, sin):
+    """`split_qkv`'s forward, differentiated by autodiff (the reference its backward is tested against)."""
     b, t, k, slots, h = y.shape
     q = y[:, :, :, :slots - 2].reshape(b, t, k * (slots - 2), h)  # [B, T, K, G, H] -> [B, T, N, H]
     return rotate(q, cos, sin), rotate(y[:, :, :, slots - 2], cos, sin), y[:, :, :, slots - 1]
@@ -66,4 +67,4 @@ def _split_qkv_bwd(res, grads):
     return dy, jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
-split_qkv.defvjp(lambda y, cos, sin: (_split_rotate(y, cos, sin), (cos, sin)), _split_qkv_bwd)
+split_qkv.defvjp(lambda y, cos, sin: (split_rotate(y, cos, sin), (cos, sin)), _split_qkv_bwd)
