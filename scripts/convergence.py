@@ -2,7 +2,9 @@
 
   python scripts/convergence.py --config=tiny --train_iters=500 --recipes=bf16,tensorwise,delayed,nvfp4 --window=50
 
-Every config flag of train.py applies to all runs (the data: the bundled corpus unless --data_path is given).
+Every config flag of train.py applies to all runs (the data: the bundled corpus unless --data_path is given; the
+bundled 0.35M tokens are memorized within a few hundred steps, so longer runs want a larger corpus, e.g. the Python
+standard library's source through scripts/source_corpus.py).
 Prints one table: the mean loss of each window of --window steps per recipe, and each recipe's largest window
 difference from the first recipe (bf16), then writes the same as JSON (--out).
 """
@@ -20,14 +22,22 @@ from mjax.xla_flags import apply_defaults
 
 apply_defaults()  # before JAX initialises a backend
 
-RECIPES = {  # name -> precision flags on top of the base config
-    "bf16": {},
-    "tensorwise": dict(fp8_recipe="tensorwise"),
-    "delayed": dict(fp8_recipe="delayed"),
-    "blockwise": dict(fp8_recipe="blockwise"),
-    "nvfp4": dict(fp4_recipe="nvfp4"),
-    "nvfp4_sr": dict(fp4_recipe="nvfp4", fp4_stochastic_rounding=True),
-    "mxfp4_rht": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
+def _precision(**flags_):
+    return lambda cfg: cfg.replace(precision=flags_)
+
+
+RECIPES = {  # name -> the config of its run, from the base config
+    "bf16": lambda cfg: cfg,
+    # bf16 from another seed (init and data order): how far two bf16 runs drift apart, the noise floor of the table
+    "bf16_seed": lambda cfg: cfg.replace(train=dict(seed=cfg.train.seed + 1)),
+    "tensorwise": _precision(fp8_recipe="tensorwise"),
+    "tensorwise_head": lambda cfg: cfg.replace(precision=dict(fp8_recipe="tensorwise", quantize_output_layer=True),
+                                               model=dict(cross_entropy_impl="fused")),
+    "delayed": _precision(fp8_recipe="delayed"),
+    "blockwise": _precision(fp8_recipe="blockwise"),
+    "nvfp4": _precision(fp4_recipe="nvfp4"),
+    "nvfp4_sr": _precision(fp4_recipe="nvfp4", fp4_stochastic_rounding=True),
+    "mxfp4_rht": _precision(fp4_recipe="mxfp4", fp4_hadamard=True),
 }
 
 define_config_flags()
@@ -61,23 +71,30 @@ def main(argv):
 
         from mjax.train.loop import train  # noqa: PLC0415
 
-        curves = {}
+        curves, evals = {}, {}
         for name in FLAGS.recipes:
-            cfg = base.replace(precision=RECIPES[name])
+            cfg = RECIPES[name](base)
             cfg.validate(jax.device_count())
-            losses = [float(r["loss"]) for r in train(cfg).history]
+            result = train(cfg)
+            losses = [float(r["loss"]) for r in result.history]
             if len(losses) < FLAGS.window:
                 raise ConfigError(f"--train_iters={len(losses)} is shorter than one --window={FLAGS.window}")
             curves[name] = windows(losses, FLAGS.window)
+            evals[name] = float(result.eval_history[-1]["eval_loss"]) if result.eval_history else None
             log.info("%s: %s", name, " ".join(f"{v:.3f}" for v in curves[name]))
     except ConfigError as e:
         log.error("configuration error: %s", e)
         return 2
-    ref = curves[FLAGS.recipes[0]]
-    rows = {name: {"windows": w, "max_abs_diff": max(abs(a - b) for a, b in zip(w, ref))} for name, w in curves.items()}
-    print(f"mean loss per {FLAGS.window} steps; max |diff| against {FLAGS.recipes[0]}")
+    first = FLAGS.recipes[0]
+    ref = curves[first]
+    rows = {name: {"windows": w, "max_abs_diff": max(abs(a - b) for a, b in zip(w, ref)), "final_eval_loss": evals[name]}
+            for name, w in curves.items()}
+    print(f"mean loss per {FLAGS.window} steps; max |diff| against {first}; held-out loss at the end "
+          f"(--eval_interval) and its difference from {first}'s")
     for name, row in rows.items():
-        print(f"{name:12} {' '.join(f'{v:.3f}' for v in row['windows'])}   {row['max_abs_diff']:.3f}")
+        ev = row["final_eval_loss"]
+        held_out = "" if ev is None or evals[first] is None else f"   eval {ev:.3f} ({ev - evals[first]:+.3f})"
+        print(f"{name:16} {' '.join(f'{v:.3f}' for v in row['windows'])}   {row['max_abs_diff']:.3f}{held_out}")
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump({"window": FLAGS.window, "config": base.to_dict(), "recipes": rows}, f, indent=1)

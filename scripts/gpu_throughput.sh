@@ -29,10 +29,12 @@ fi
 # Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
 # too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
 # instead of the cast-transpose kernel (XLA_CASTS=1), the other recipes end to end (RECIPES=1: blockwise FP8,
-# NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), the fused QKV gradient assembled by the
-# Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step in bf16 and FP8 with it), every
+# NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), the fused QKV gradient assembled by
+# autodiff's concatenate instead of the Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step
+# in bf16 and FP8 without the kernel), every
 # recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1), and every recipe's loss curve against bf16's
-# on the bundled corpus (CONVERGE=1: a ~30M-parameter Llama, 600 steps of 32 x 1024 tokens each).
+# on the installed Python source, next to a second bf16 run from another seed (CONVERGE=1: a
+# ~30M-parameter Llama, 800 steps of 16 x 1024 tokens).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
@@ -49,21 +51,26 @@ fi
 if [ "${QKV:-0}" = 1 ]; then
   timeout 60 $PY scripts/bench_qkv_grad.py --out="$OUT/qkv_grad.json" >"$LOGS/qkv_grad.log" 2>&1 || status=1
   grep -A4 "^case" "$LOGS/qkv_grad.log"
-  one 3b_qkv_pallas ${T3B:-90} --config=llama3.2-3b --model.qkv_grad_impl=pallas --profile_steps=1
-  one 3b_fp8_tensorwise_qkv_pallas ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
-    --fp8_recipe=tensorwise --model.qkv_grad_impl=pallas --profile_steps=1
+  one 3b_qkv_xla ${T3B:-90} --config=llama3.2-3b --model.qkv_grad_impl=xla --profile_steps=1
+  one 3b_fp8_tensorwise_qkv_xla ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
+    --fp8_recipe=tensorwise --model.qkv_grad_impl=xla --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \
     --out="$OUT/gemm.json" >"$LOGS/gemm.log" 2>&1 || status=1
   grep "gemm {" "$LOGS/gemm.log"
 fi
-if [ "${CONVERGE:-0}" = 1 ]; then
+if [ "${CONVERGE:-0}" = 1 ]; then  # on installed Python source (the 0.35M-token sample corpus is memorized in ~100 steps)
+  $PY scripts/source_corpus.py --out=/tmp/code.jsonl >"$LOGS/corpus.log" 2>&1 &&
+    $PY scripts/preprocess_data.py --input=/tmp/code.jsonl --output_prefix=/tmp/code --append_eod --workers=8 \
+      --progress=false >>"$LOGS/corpus.log" 2>&1 || status=1
+  tail -2 "$LOGS/corpus.log"
   timeout 540 $PY scripts/convergence.py --config=tiny --model.hidden_size=512 --model.num_layers=8 \
     --model.num_attention_heads=8 --model.num_query_groups=8 --model.ffn_hidden_size=1536 --seq_length=1024 \
-    --global_batch_size=32 --bf16 --train_iters=600 --window=100 --recipes=bf16,tensorwise,delayed,blockwise,nvfp4,nvfp4_sr,mxfp4_rht \
+    --global_batch_size=16 --bf16 --train_iters=${CONVERGE_STEPS:-800} --window=100 --data_path=/tmp/code_text_document \
+    --recipes=bf16,bf16_seed,tensorwise,tensorwise_head,delayed,blockwise,nvfp4,nvfp4_sr,mxfp4_rht \
     --out="$OUT/convergence.json" >"$LOGS/convergence.log" 2>&1 || status=1
-  grep -A8 "^mean loss" "$LOGS/convergence.log"
+  grep -A10 "^mean loss" "$LOGS/convergence.log"
 fi
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
 exit $status

@@ -67,12 +67,33 @@ def test_convergence_script_trains_each_recipe_from_the_same_start(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "convergence.py"), "--config=tiny", "--model.num_layers=1",
          "--train_iters=4", "--window=2", "--bf16", "--global_batch_size=8", "--seq_length=64", *f],
         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = run("--recipes=bf16,tensorwise,nvfp4", f"--out={tmp_path / 'c.json'}")
+    out = run("--recipes=bf16,tensorwise,nvfp4,bf16_seed", "--eval_interval=4", "--eval_iters=1",
+              f"--out={tmp_path / 'c.json'}")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "c.json").read_text())["recipes"]
-    assert list(rows) == ["bf16", "tensorwise", "nvfp4"] and rows["bf16"]["max_abs_diff"] == 0
+    assert list(rows) == ["bf16", "tensorwise", "nvfp4", "bf16_seed"] and rows["bf16"]["max_abs_diff"] == 0
     assert all(len(r["windows"]) == 2 for r in rows.values())
+    assert rows["bf16_seed"]["windows"][0] != rows["bf16"]["windows"][0]  # another init and data order
+    assert all(5 < r["final_eval_loss"] < 8 for r in rows.values())
     assert 0 < rows["nvfp4"]["max_abs_diff"] < 0.2  # a different run, and not a diverged one
     assert all(5 < w < 8 for r in rows.values() for w in r["windows"])  # ~ln(vocab) at the start, finite
     bad = run("--recipes=bf16,fp3")
     assert bad.returncode == 2 and "--recipes: unknown ['fp3']" in bad.stderr
+
+
+def test_source_corpus_writes_each_utf8_file_once_in_path_order(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "b.py").write_text("print('b')\n")
+    (src / "pkg" / "a.py").write_text("x = 1\n")
+    (src / "pkg" / "bad.py").write_bytes(b"\xff\xfe not utf-8")
+    (src / "notes.txt").write_text("not a .py file")
+    script = str(ROOT / "scripts" / "source_corpus.py")
+    out = subprocess.run([sys.executable, script, f"--roots={src},{src / 'pkg'}", f"--out={tmp_path / 'c.jsonl'}"],
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    docs = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert docs == ["print('b')\n", "x = 1\n"]  # sorted paths, the nested root not twice, bad bytes skipped
+    bad = subprocess.run([sys.executable, script, f"--roots={tmp_path / 'nope'}", f"--out={tmp_path / 'd.jsonl'}"],
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--roots: not a directory" in bad.stderr
