@@ -56,9 +56,10 @@ class ModelConfig:
     init_method_std: float = _field(0.02, "init_method_std")
     attention_impl: str = _field("auto", "attention_impl", "auto | xla | cudnn | pallas")
     qkv_grad_impl: str = _field(
-        "xla", "qkv_grad_impl", "xla | pallas: how the backward assembles the fused QKV projection's gradient from "
-        "dQ, dK (rotated back) and dV: autodiff's concatenate, or one Pallas pass (kernels/qkv_rope_grad.py; RoPE "
-        "models with the fused projection).")
+        "auto", "qkv_grad_impl", "auto | xla | pallas: how the backward assembles the fused QKV projection's "
+        "gradient from dQ, dK (rotated back) and dV: autodiff's concatenate, or one Pallas pass (kernels/"
+        "qkv_rope_grad.py; RoPE models with the fused projection). auto: pallas on a GPU when Triton can tile the "
+        "head dim, else xla.")
     cross_entropy_impl: str = _field(
         "reference", "cross_entropy_impl",
         "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks; no whole logits)")

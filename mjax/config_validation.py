@@ -2,6 +2,7 @@
 
 from mjax.config import Config, ConfigError
 from mjax.kernels import attention, fp8, quant
+from mjax.model.rope import qkv_kernel_tiles
 
 REMAT_NAMES = ("qkv_proj", attention.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden",
                "mlp_out", "norm", fp8.FP8_CAST)
@@ -67,9 +68,8 @@ def validate_model(cfg: Config) -> None:
     _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
     _choice(m.attention_impl, attention.IMPLS, "model.attention_impl")
-    _choice(m.qkv_grad_impl, ("xla", "pallas"), "model.qkv_grad_impl")
-    half = m.head_dim // 2
-    if m.qkv_grad_impl == "pallas" and (m.head_dim % 2 or half & (half - 1)):
+    _choice(m.qkv_grad_impl, ("auto", "xla", "pallas"), "model.qkv_grad_impl")
+    if m.qkv_grad_impl == "pallas" and not qkv_kernel_tiles(m.head_dim):
         raise ConfigError(f"--model.qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "
                           f"(Triton's tile sizes), got head dim {m.head_dim}; use --model.qkv_grad_impl=xla")
     _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")

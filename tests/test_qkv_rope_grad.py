@@ -109,9 +109,10 @@ def test_training_with_the_kernel_matches_autodiff_under_tp_sp():
     assert got[0] == want[0]  # the first forward does not touch the backward
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
 def test_attention_backward_runs_the_chosen_assembly(impl):
-    """--model.qkv_grad_impl picks the kernel in the attention layer's backward (and only there)."""
+    """--model.qkv_grad_impl picks the kernel in the attention layer's backward (and only there); auto on this CPU
+    takes autodiff's assembly."""
     from flax import nnx  # noqa: PLC0415
 
     from mjax.config import load_config  # noqa: PLC0415
@@ -133,3 +134,13 @@ def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
     with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs half the head dim"):
         cfg.validate(1)
     cfg.replace(model=dict(kv_channels=128)).validate(1)
+
+
+def test_auto_takes_the_kernel_on_a_gpu_when_it_tiles_the_head_dim(monkeypatch):
+    from mjax.model import rope  # noqa: PLC0415
+
+    monkeypatch.setattr(rope.jax, "default_backend", lambda: "gpu")
+    assert rope.use_qkv_grad_kernel("auto", 128) and rope.use_qkv_grad_kernel("auto", 64)
+    assert not rope.use_qkv_grad_kernel("auto", 96) and not rope.use_qkv_grad_kernel("xla", 128)
+    monkeypatch.setattr(rope.jax, "default_backend", lambda: "cpu")
+    assert not rope.use_qkv_grad_kernel("auto", 128) and rope.use_qkv_grad_kernel("pallas", 128)

@@ -5,7 +5,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import dot_product_attention
 from mjax.model.layers import Linear, fused_linear, fused_product, output_std
-from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv
+from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv, use_qkv_grad_kernel
 from mjax.model.sharding import constrain, splits_evenly
 
 
@@ -33,7 +33,7 @@ class Attention(nnx.Module):
         fused = splits_evenly("kv_heads", k)
         shapes = ((k, n // k, h), (k, 1, h), (k, 1, h))
         rope = cfg.position_embedding_type == "rope"
-        if fused and rope and cfg.qkv_grad_impl == "pallas":
+        if fused and rope and use_qkv_grad_kernel(cfg.qkv_grad_impl, h):
             y = fused_product(x, parts, shapes, axis=1)  # [B, T, K, G + 2, H]
             q, k_, v = split_qkv(y, *rope_cos_sin(positions, rope_frequencies(cfg)))
             return self._constrain(q, k_, v)

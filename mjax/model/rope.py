@@ -44,6 +44,20 @@ def rotate(x, cos, sin):
     return out.reshape(x.shape).astype(x.dtype)
 
 
+def qkv_kernel_tiles(head_dim: int) -> bool:
+    """Whether the QKV gradient kernel can tile this head dim: Triton's tiles need half of it a power of two."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
+
+
+def use_qkv_grad_kernel(impl: str, head_dim: int) -> bool:
+    """--model.qkv_grad_impl: auto takes the kernel on a GPU when it can tile the head dim (3B step on an H200:
+    bf16 26,752 -> 26,864 tokens/s, FP8 36,886 -> 37,101, docs/performance.md)."""
+    if impl == "auto":
+        return jax.default_backend() == "gpu" and qkv_kernel_tiles(head_dim)
+    return impl == "pallas"
+
+
 @jax.custom_vjp
 def split_qkv(y, cos, sin):
     """The fused QKV output y [B, T, K, G + 2, H] (per KV head: G query heads, K, V) -> q [B, T, K*G, H] and k
