@@ -159,3 +159,43 @@ def test_kept_fp8_operands_give_the_same_values_and_gradients(recipe):
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(kept)):
         assert np.all(np.isfinite(np.asarray(b, np.float32)))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_amax_read_as_words_is_the_same_value(dtype):
+    """amax(words=True) compares the magnitudes' bits as integers: the same as max |x|, including subnormals,
+    the largest finite value, inf and NaN."""
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32) * jnp.logspace(-6, 4, 128)
+    x = x.astype(dtype)
+    tiny = jnp.finfo(dtype).smallest_subnormal
+    for t in (x, -jnp.abs(x), jnp.full((4, 8), tiny, dtype), x.at[5, 7].set(-jnp.finfo(dtype).max),
+              x.at[1, 2].set(-jnp.inf), jnp.zeros((2, 6), dtype)):
+        assert fp8.amax(t, words=True) == fp8.amax(t) == jnp.max(jnp.abs(t.astype(jnp.float32)))
+    assert jnp.isnan(fp8.amax(x.at[3, 3].set(jnp.nan), words=True))
+    odd = x[:, :5]  # an odd last dim has no words: the plain reduction
+    assert fp8.amax(odd, words=True) == jnp.max(jnp.abs(odd.astype(jnp.float32)))
+    assert "uint32" in str(jax.make_jaxpr(lambda t: fp8.amax(t, words=True))(x))
+
+
+def test_swiglu_gradient_amax_reads_the_words_its_backward_wrote(monkeypatch):
+    """Tensorwise FP8: the gate/up GEMM's output gradient (written by swiglu_pairs' backward as 32-bit words) has
+    its amax reduced over those words, and only it; the gradients equal those of the plain reduction."""
+    from flax import nnx  # noqa: PLC0415
+
+    from mjax.config import load_config  # noqa: PLC0415
+    from mjax.kernels.quant import QuantPolicy  # noqa: PLC0415
+    from mjax.model.mlp import MLP  # noqa: PLC0415
+
+    cfg = load_config("tiny").replace(model=dict(hidden_size=64, ffn_hidden_size=128)).model
+    mlp = MLP(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, quant=QuantPolicy(fp8_recipe="tensorwise"),
+              rngs=nnx.Rngs(0))
+    graph, params = nnx.split(mlp)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.bfloat16)
+    grads = jax.grad(lambda p, x: jnp.sum(nnx.merge(graph, p)(x).astype(jnp.float32) ** 2), argnums=(0, 1))
+    assert len(re.findall(r"u32\[\] = reduce_max", str(jax.make_jaxpr(grads)(params, x)))) == 1
+    got = grads(params, x)
+    plain = fp8.amax
+    monkeypatch.setattr(fp8, "amax", lambda t, words=False: plain(t))
+    want = grads(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

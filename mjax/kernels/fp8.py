@@ -43,7 +43,15 @@ def fp8_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)  # e4m3fn 448, e5m2 57344
 
 
-def amax(x) -> jax.Array:
+def amax(x, words: bool = False) -> jax.Array:
+    """max |x| as f32; NaN propagates. `words`: 16-bit x [..., 2n] is read as n 32-bit words and the magnitudes
+    compared as integers (the same value), for a tensor its producer writes as words (SwiGLU's packed backward):
+    XLA then takes the reduction in the pass that writes them instead of reading the tensor again (3B tensorwise
+    step: 6.6 ms less, docs/fp8.md)."""
+    if words and x.dtype.itemsize == 2 and x.ndim and x.shape[-1] % 2 == 0:
+        w = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)  # [..., n]
+        mags = jnp.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF)  # sign bits cleared; ordered like the values, NaN on top
+        return lax.bitcast_convert_type(jnp.max(mags).astype(jnp.uint16), x.dtype).astype(jnp.float32)
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
@@ -89,6 +97,7 @@ class Fp8Spec:
     margin: int = 0
     impl: str = "xla"  # how the FP8 copies are made: xla (cast, XLA transposes) | pallas (one cast-transpose pass)
     interpret: bool = False
+    grad_words: bool = False  # the output gradient is written as 32-bit words of 16-bit pairs (see `amax`)
 
     @property
     def dtypes(self):
@@ -125,7 +134,7 @@ def both_layouts(x, scale, dtype, spec: Fp8Spec, with_amax: bool = False):
     return (q, q.T, amax(x)) if with_amax else (q, q.T)
 
 
-def quantize_operand(x, spec: Fp8Spec, meta, which: int, dtype):
+def quantize_operand(x, spec: Fp8Spec, meta, which: int, dtype, words: bool = False):
     """x's FP8 copies in both layouts, the scale they used and x's amax. Tensorwise takes the amax first (the scale
     depends on it); delayed has its scale from the history and observes the amax in the quantizing pass. Scale and
     amax are named (remat name fp8_cast) before anything uses them, so that a remat policy keeping them (and the
@@ -135,7 +144,7 @@ def quantize_operand(x, spec: Fp8Spec, meta, which: int, dtype):
         q, q_t, a = both_layouts(x, scale, dtype, spec, with_amax=True)
         a = checkpoint_name(a, FP8_CAST)
     else:
-        a = checkpoint_name(amax(x), FP8_CAST)
+        a = checkpoint_name(amax(x, words), FP8_CAST)
         scale = checkpoint_name(gemm_scale(spec, meta, a, which, dtype), FP8_CAST)
         q, q_t = both_layouts(x, scale, dtype, spec)
     return q, q_t, scale, a
@@ -154,7 +163,8 @@ def _fwd(x, w, meta, spec):
 def _bwd(spec, res, g):
     xq_t, wq, sx, sw, ax, aw, meta, x_like, w_like = res
     _, grad_dtype = spec.dtypes
-    gq, gq_t, sg, ag = quantize_operand(g, spec, meta, META_G, grad_dtype)  # [M, N] dgrad, [N, M] wgrad
+    # [M, N] dgrad, [N, M] wgrad
+    gq, gq_t, sg, ag = quantize_operand(g, spec, meta, META_G, grad_dtype, spec.grad_words)
     dx = scaled_dot(gq, wq, (1, 1), 1.0 / (sg * sw), x_like.dtype)  # [M, K]
     dw = scaled_dot(xq_t, gq_t, (1, 1), 1.0 / (sx * sg), jnp.float32).astype(w_like.dtype)  # [K, N]
     return dx, dw, jnp.stack([ax, aw, ag])

@@ -79,10 +79,11 @@ def per_tensor_spec(policy: QuantPolicy) -> Fp8Spec:
     return Fp8Spec(policy.fp8_recipe, policy.fp8_format, policy.fp8_margin, impl, interpret)
 
 
-def quantized_matmul(policy: QuantPolicy, x, w, meta=None):
-    """x [M, K] in compute dtype, w [K, N] (master dtype), meta [3] f32 for FP8 -> [M, N] in x.dtype."""
+def quantized_matmul(policy: QuantPolicy, x, w, meta=None, grad_words: bool = False):
+    """x [M, K] in compute dtype, w [K, N] (master dtype), meta [3] f32 for FP8 -> [M, N] in x.dtype. `grad_words`:
+    the output's gradient is written as 32-bit words of 16-bit pairs (Fp8Spec.grad_words; a layout hint)."""
     if policy.fp8_recipe in ("delayed", "tensorwise"):
-        return fp8_matmul(x, w, meta, per_tensor_spec(policy))
+        return fp8_matmul(x, w, meta, dataclasses.replace(per_tensor_spec(policy), grad_words=grad_words))
     if policy.fp8_recipe == "blockwise":
         impl, interpret = _resolve_impl(policy.impl)
         return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))

@@ -45,24 +45,25 @@ class Linear(nnx.Module):
         return y
 
 
-def _matmul(x, kernel, n_in, dtype, quant, meta):
+def _matmul(x, kernel, n_in, dtype, quant, meta, grad_words=False):
     """x [..., in...] @ kernel [in..., out...] -> [..., out...] in `dtype`, through the precision policy."""
     if quant is None:
         return jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=n_in)
     in_shape, out_shape = kernel.shape[:n_in], kernel.shape[n_in:]
     k = math.prod(in_shape)
-    y = quantized_matmul(quant, x.astype(dtype).reshape(-1, k), kernel.reshape(k, -1), meta)
+    y = quantized_matmul(quant, x.astype(dtype).reshape(-1, k), kernel.reshape(k, -1), meta, grad_words)
     return y.reshape(x.shape[:x.ndim - n_in] + out_shape)  # [M, N] -> [..., out...]
 
 
-def fused_product(x, parts, out_shapes, axis: int, name: str | None = None):
+def fused_product(x, parts, out_shapes, axis: int, name: str | None = None, grad_words: bool = False):
     """One GEMM for several Linears that read the same x (Megatron's fused QKV and gate/up projections).
 
     Each part's kernel, viewed as in_shape + out_shapes[i], is concatenated with the others along out axis `axis`;
     returns the product [..., fused out...]. The math is that of calling each part; what changes is one larger GEMM,
     one quantization of x and one dx (no sum of partial input gradients). The parameters stay separate, so
     checkpoints, conversion and sharding rules see no difference: the concatenation fuses into the per-step cast
-    of the weights. `name` (a remat name) labels the product.
+    of the weights. `name` (a remat name) labels the product. `grad_words`: the consumer's backward writes the
+    product's gradient as 32-bit words of 16-bit pairs (a layout hint for FP8's amax, `fp8.amax`).
     """
     first = parts[0]
     if any((p.n_in, p.dtype, p.quant, p.bias is None) != (first.n_in, first.dtype, first.quant, first.bias is None)
@@ -72,7 +73,7 @@ def fused_product(x, parts, out_shapes, axis: int, name: str | None = None):
     kernel = jnp.concatenate([p.kernel[...].reshape(p.kernel.shape[:n_in] + s) for p, s in zip(parts, out_shapes)],
                              axis=n_in + axis)  # [in..., fused out...]
     meta = None if first.fp8_meta is None else shared_meta(jnp.stack([p.fp8_meta[...] for p in parts]))
-    y = _matmul(x, kernel, n_in, first.dtype, first.quant, meta)  # [..., fused out...]
+    y = _matmul(x, kernel, n_in, first.dtype, first.quant, meta, grad_words)  # [..., fused out...]
     if first.bias is not None:
         y = y + jnp.concatenate([p.bias[...].reshape(s) for p, s in zip(parts, out_shapes)], axis).astype(y.dtype)
     return y if name is None else checkpoint_name(y, name)

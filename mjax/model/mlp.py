@@ -24,7 +24,8 @@ class MLP(nnx.Module):
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
         if self.gated:  # one GEMM for gate and up (Megatron's linear_fc1), their columns interleaved
             f = self.up_proj.kernel.shape[-1]
-            pairs = fused_product(x, (self.gate_proj, self.up_proj), ((f, 1), (f, 1)), axis=1, name="mlp_up")
+            pairs = fused_product(x, (self.gate_proj, self.up_proj), ((f, 1), (f, 1)), axis=1, name="mlp_up",
+                                  grad_words=True)  # swiglu_pairs' backward writes (gate, up) gradient pairs as words
             h = swiglu_pairs(pairs)  # [B, T, F, 2] -> [B, T, F]
         else:
             h = jax.nn.gelu(checkpoint_name(self.up_proj(x), "mlp_up"), approximate=True)
