@@ -87,8 +87,8 @@ def main(argv):
         return 2
     first = FLAGS.recipes[0]
     ref = curves[first]
-    rows = {name: {"windows": w, "max_abs_diff": max(abs(a - b) for a, b in zip(w, ref)), "final_eval_loss": evals[name]}
-            for name, w in curves.items()}
+    rows = {name: {"windows": w, "max_abs_diff": max(abs(a - b) for a, b in zip(w, ref)),
+                   "final_eval_loss": evals[name]} for name, w in curves.items()}
     print(f"mean loss per {FLAGS.window} steps; max |diff| against {first}; held-out loss at the end "
           f"(--eval_interval) and its difference from {first}'s")
     for name, row in rows.items():
