@@ -4,7 +4,7 @@
 
 Every config flag of train.py applies to all runs (the data: the bundled corpus unless --data_path is given; the
 bundled 0.35M tokens are memorized within a few hundred steps, so longer runs want a larger corpus, e.g. the Python
-standard library's source through scripts/source_corpus.py).
+source installed on the machine through scripts/source_corpus.py).
 Prints one table: the mean loss of each window of --window steps per recipe, and each recipe's largest window
 difference from the first recipe (bf16), then writes the same as JSON (--out).
 """

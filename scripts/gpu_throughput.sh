@@ -30,11 +30,10 @@ fi
 # too, inside the fused loss (HEAD=1: with whole logits that step did not fit), with XLA's casts and transposes
 # instead of the cast-transpose kernel (XLA_CASTS=1), the other recipes end to end (RECIPES=1: blockwise FP8,
 # NVFP4, MXFP4 with the Hadamard transform, under the preset's remat set), the fused QKV gradient assembled by
-# autodiff's concatenate instead of the Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B step
-# in bf16 and FP8 without the kernel), every
-# recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1), and every recipe's loss curve against bf16's
-# on the installed Python source, next to a second bf16 run from another seed (CONVERGE=1: a
-# ~30M-parameter Llama, 800 steps of 16 x 1024 tokens).
+# autodiff's concatenate instead of the Pallas kernel (QKV=1: the pass against autodiff's and a copy's, then the 3B
+# step in bf16 and FP8 without the kernel), every recipe's GEMM and linear-layer throughput next to bf16's (GEMM=1),
+# and every recipe's loss curve against bf16's on the installed Python source, next to a second bf16 run from
+# another seed (CONVERGE=1: a ~30M-parameter Llama, 800 steps of 16 x 1024 tokens, ~5 minutes).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
     --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
@@ -60,14 +59,15 @@ if [ "${GEMM:-0}" = 1 ]; then
     --out="$OUT/gemm.json" >"$LOGS/gemm.log" 2>&1 || status=1
   grep "gemm {" "$LOGS/gemm.log"
 fi
-if [ "${CONVERGE:-0}" = 1 ]; then  # on installed Python source (the 0.35M-token sample corpus is memorized in ~100 steps)
+if [ "${CONVERGE:-0}" = 1 ]; then  # the 0.35M-token sample corpus would be memorized within a few hundred steps
   $PY scripts/source_corpus.py --out=/tmp/code.jsonl >"$LOGS/corpus.log" 2>&1 &&
     $PY scripts/preprocess_data.py --input=/tmp/code.jsonl --output_prefix=/tmp/code --append_eod --workers=8 \
       --progress=false >>"$LOGS/corpus.log" 2>&1 || status=1
   tail -2 "$LOGS/corpus.log"
   timeout 540 $PY scripts/convergence.py --config=tiny --model.hidden_size=512 --model.num_layers=8 \
     --model.num_attention_heads=8 --model.num_query_groups=8 --model.ffn_hidden_size=1536 --seq_length=1024 \
-    --global_batch_size=16 --bf16 --train_iters=${CONVERGE_STEPS:-800} --window=100 --data_path=/tmp/code_text_document \
+    --global_batch_size=16 --bf16 --train_iters=${CONVERGE_STEPS:-800} --window=100 \
+    --data_path=/tmp/code_text_document \
     --recipes=bf16,bf16_seed,tensorwise,tensorwise_head,delayed,blockwise,nvfp4,nvfp4_sr,mxfp4_rht \
     --out="$OUT/convergence.json" >"$LOGS/convergence.log" 2>&1 || status=1
   grep -A10 "^mean loss" "$LOGS/convergence.log"
