@@ -137,6 +137,11 @@ class PrecisionConfig:
                                         "most_recent | max: the amax a delayed scale is computed from.")
     fp8_margin: int = _field(0, "fp8_margin", "Scales are divided by 2^margin (headroom against overflow).")
     fp8_log_stats: bool = _field(False, "fp8_log_stats", "Log FP8 amax/scale statistics at each logged step.")
+    fp8_keep_casts: bool = _field(
+        True, "fp8_keep_casts", "Under --remat_policy=selective with per-tensor FP8 (delayed | tensorwise), also keep "
+        "each GEMM's FP8 operands and scales (remat name fp8_cast) for its backward, as Transformer Engine keeps its "
+        "FP8 copies, instead of recomputing the amaxes and casts there (1 byte an element; --nofp8_keep_casts "
+        "trades that memory for the recompute).")
     fp4_recipe: str | None = _field(
         None, "fp4_recipe", "nvfp4 | mxfp4: e2m1 GEMM inputs with 16-element e4m3 (+ fp32 tensor) or 32-element "
         "e8m0 block scales, emulated on Hopper (quantize -> dequantize -> bf16 GEMM).")

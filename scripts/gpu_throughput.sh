@@ -15,15 +15,12 @@ if [ "${QUANT:-1}" = 1 ]; then  # QUANT=0 skips it
   timeout 60 $PY scripts/bench_fp8.py --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
   grep "quant {" "$LOGS/quant.log"
 fi
-# FP8 rows run with the preset's remat set plus fp8_cast: the quantized operands are kept, so the backward does not
-# redo the amaxes and casts.
-SET=qkv_proj,attn_core,attn_context,attn_out,mlp_up,mlp_out,fp8_cast
+# FP8 rows keep their quantized operands for the backward (remat name fp8_cast, --fp8_keep_casts by default).
 if [ "${DEFAULT:-1}" = 1 ]; then  # DEFAULT=0 skips the default rows
   one 1b ${T1B:-150} --config=llama3.2-1b --profile_steps=2 --baseline
   one 3b ${T3B:-90} --config=llama3.2-3b --profile_steps=1
   for recipe in tensorwise delayed; do
-    one 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET --fp8_recipe=$recipe \
-      --profile_steps=1
+    one 3b_fp8_$recipe ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=$recipe --profile_steps=1
   done
 fi
 # Opt-in rows (the default set above takes ~8 of a call's 10 minutes): the FP8 step with its output layer quantized
@@ -35,12 +32,12 @@ fi
 # and every recipe's loss curve against bf16's on the installed Python source, next to a second bf16 run from
 # another seed (CONVERGE=1: a ~30M-parameter Llama, 800 steps of 16 x 1024 tokens, ~5 minutes).
 if [ "${HEAD:-0}" = 1 ]; then
-  one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
-    --fp8_recipe=tensorwise --quantize_output_layer --model.cross_entropy_impl=fused --profile_steps=1
+  one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise --quantize_output_layer \
+    --model.cross_entropy_impl=fused --profile_steps=1
 fi
 if [ "${XLA_CASTS:-0}" = 1 ]; then  # the FP8 step with XLA making its FP8 copies
-  one 3b_fp8_tensorwise_xla_casts ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
-    --fp8_recipe=tensorwise --quant_impl=xla --profile_steps=1
+  one 3b_fp8_tensorwise_xla_casts ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise --quant_impl=xla \
+    --profile_steps=1
 fi
 if [ "${RECIPES:-0}" = 1 ]; then
   one 3b_fp8_blockwise ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=blockwise --profile_steps=1
@@ -51,8 +48,8 @@ if [ "${QKV:-0}" = 1 ]; then
   timeout 60 $PY scripts/bench_qkv_grad.py --out="$OUT/qkv_grad.json" >"$LOGS/qkv_grad.log" 2>&1 || status=1
   grep -A4 "^case" "$LOGS/qkv_grad.log"
   one 3b_qkv_xla ${T3B:-90} --config=llama3.2-3b --model.qkv_grad_impl=xla --profile_steps=1
-  one 3b_fp8_tensorwise_qkv_xla ${TFP8:-170} --config=llama3.2-3b --model.remat_save_names=$SET \
-    --fp8_recipe=tensorwise --model.qkv_grad_impl=xla --profile_steps=1
+  one 3b_fp8_tensorwise_qkv_xla ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise \
+    --model.qkv_grad_impl=xla --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \

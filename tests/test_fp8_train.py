@@ -178,15 +178,17 @@ def _reduce_max_count(jaxpr) -> int:
 
 
 def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them():
-    """Selective remat recomputes each linear layer's amaxes and casts in the backward unless fp8_cast is kept.
-    Keeping it leaves the forward as it is; the gradients move within FP8 rounding (the recomputed bf16 inputs
-    need not round to the same FP8 values as the forward's, the kept ones are the forward's)."""
+    """Selective remat recomputes each linear layer's amaxes and casts in the backward unless fp8_cast is kept
+    (named, or by --fp8_keep_casts, the default). Keeping it leaves the forward as it is; the gradients move within
+    FP8 rounding (the recomputed bf16 inputs need not round to the same FP8 values as the forward's, the kept ones
+    are the forward's)."""
     from mjax.train.loop import build  # noqa: PLC0415
 
     batch = next(pattern_batches(_cfg()))
     out = {}
-    for names in (("attn_out",), ("attn_out", "fp8_cast")):
-        cfg = _cfg(fp8_recipe="tensorwise").replace(
+    for key, names, keep in (("attn_out", ("attn_out",), False), ("fp8_cast", ("attn_out", "fp8_cast"), False),
+                             ("default", ("attn_out",), True)):
+        cfg = _cfg(fp8_recipe="tensorwise", fp8_keep_casts=keep).replace(
             model=dict(remat_policy="selective", remat_save_names=names, num_layers=2, scan_layers=False))
         setup = build(cfg, jax.devices()[:1])
         state = setup.init_state(0)
@@ -195,7 +197,8 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
         count = _reduce_max_count(jax.make_jaxpr(step)(state, placed).jaxpr)
         compiled, _ = setup.compile_step(state, placed)
         _, metrics = compiled(state, placed)
-        out[names[-1]] = count, float(metrics["loss"]), float(metrics["grad_norm"])
+        out[key] = count, float(metrics["loss"]), float(metrics["grad_norm"])
+    assert out["default"] == out["fp8_cast"]
     linears = 2 * 4  # layers x GEMMs (fused qkv, o, fused gate/up, down)
     assert out["attn_out"][0] - out["fp8_cast"][0] >= 2 * linears  # an x and a w amax each, no longer recomputed
     assert out["attn_out"][1] == out["fp8_cast"][1]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from mjax.kernels.fp4 import Fp4Spec, fp4_matmul
-from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
+from mjax.kernels.fp8 import FP8_CAST, Fp8Spec, fp8_matmul
 from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
@@ -39,6 +39,12 @@ class QuantPolicy:
     impl: str = "auto"
     bf16_layers: tuple[int, int] = (0, 0)  # transformer layers kept in compute dtype at the (start, end)
     output_layer: bool = False  # quantize the LM head too (Megatron keeps it in bf16)
+    keep_fp8_casts: bool = False  # selective remat keeps the per-tensor FP8 operands (remat name fp8_cast)
+
+    @property
+    def remat_keeps(self) -> tuple[str, ...]:
+        """Remat names a selective policy keeps on top of the model's: the FP8 copies of per-tensor GEMMs."""
+        return (FP8_CAST,) if self.keep_fp8_casts and self.fp8_recipe in ("delayed", "tensorwise") else ()
 
     @property
     def has_fp8_meta(self) -> bool:
@@ -56,7 +62,8 @@ def policy_from_precision(precision) -> QuantPolicy | None:
     return QuantPolicy(fp8_recipe=fp8, fp8_format=precision.fp8_format, fp8_margin=precision.fp8_margin,
                        fp4_recipe=fp4, fp4_hadamard=precision.fp4_hadamard,
                        fp4_stochastic_rounding=precision.fp4_stochastic_rounding, impl=precision.quant_impl,
-                       bf16_layers=keep, output_layer=precision.quantize_output_layer)
+                       bf16_layers=keep, output_layer=precision.quantize_output_layer,
+                       keep_fp8_casts=precision.fp8_keep_casts)
 
 
 def _resolve_impl(impl: str) -> tuple[str, bool]:

@@ -38,14 +38,16 @@ def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def remat_policy(cfg):
-    """None (no remat), or a jax.checkpoint policy: 'full' saves nothing, 'selective' saves the named tensors."""
+def remat_policy(cfg, extra_names=()):
+    """None (no remat), or a jax.checkpoint policy: 'full' saves nothing, 'selective' saves the named tensors
+    (cfg.remat_save_names and `extra_names`)."""
     if cfg.remat_policy == "none":
         return None
     if cfg.remat_policy == "full":
         return jax.checkpoint_policies.nothing_saveable
-    by_name = jax.checkpoint_policies.save_only_these_names(*cfg.remat_save_names)
-    if ATTN_CORE not in cfg.remat_save_names:
+    names = tuple(dict.fromkeys((*cfg.remat_save_names, *extra_names)))
+    by_name = jax.checkpoint_policies.save_only_these_names(*names)
+    if ATTN_CORE not in names:
         return by_name
     return lambda prim, *args, **params: is_attention_kernel(prim) or by_name(prim, *args, **params)
 
@@ -117,7 +119,7 @@ class CausalLM(nnx.Module):
                 block = nnx.merge(graphdef, layer_state)
                 return (block if quantized else without_quant(block))(x, positions, segment_ids), None
 
-            policy = remat_policy(cfg)
+            policy = remat_policy(cfg, self.quant.remat_keeps if self.quant is not None and quantized else ())
             return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
 
         n = jax.tree.leaves(state)[0].shape[0]
