@@ -99,6 +99,11 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"--model.num_query_groups={m.num_kv_heads} and --tp={tp}: one must divide the other "
             "(KV heads are split over tp, or replicated when fewer than tp)")
+    if m.qkv_grad_impl == "pallas" and (m.position_embedding_type != "rope" or m.num_kv_heads % tp):
+        raise ConfigError(  # the kernel is the backward of the fused projection's split with RoPE, nothing else
+            f"--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection (KV heads split over tp); got "
+            f"--position_embedding_type={m.position_embedding_type}, --model.num_query_groups={m.num_kv_heads}, "
+            f"--tp={tp}; use --model.qkv_grad_impl=auto or xla")
     if m.padded_vocab_size() % tp:
         raise ConfigError(
             f"the padded vocab {m.padded_vocab_size()} is not divisible by --tp={tp}; set "

@@ -136,6 +136,21 @@ def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
     cfg.replace(model=dict(kv_channels=128)).validate(1)
 
 
+@pytest.mark.parametrize("change", [dict(model=dict(position_embedding_type="learned")),
+                                    dict(parallel=dict(tp=4))])  # tiny has 2 KV heads: replicated over tp=4
+def test_pallas_where_the_layer_would_not_run_the_kernel_is_a_config_error(change):
+    """An explicit --model.qkv_grad_impl=pallas never silently takes autodiff's path: without RoPE, or with KV
+    heads replicated over tp (separate projections), it is refused; auto takes xla there."""
+    from mjax.config import ConfigError, load_config  # noqa: PLC0415
+
+    cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", num_attention_heads=4, num_query_groups=2))
+    cfg.validate(8)
+    bad = cfg.replace(**change)
+    with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection"):
+        bad.validate(8)
+    bad.replace(model=dict(qkv_grad_impl="auto")).validate(8)
+
+
 def test_auto_takes_the_kernel_on_a_gpu_when_it_tiles_the_head_dim(monkeypatch):
     from mjax.model import rope  # noqa: PLC0415
 

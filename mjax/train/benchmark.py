@@ -11,20 +11,6 @@ from mjax.train.loop import build, compiled_memory
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
 
 
-def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16, iters: int = 10) -> float:
-    """TFLOP/s of one n^3 matmul per device through JAX (8192 on GPU, 1024 elsewhere), random data."""
-    n = n or (8192 if jax.default_backend() == "gpu" else 1024)
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = f(a, b)
-    out.block_until_ready()
-    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
-
-
 def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
     """Mean seconds per call of f(*args) after compile and warm-up; one block at the end of the timed loop."""
     jax.block_until_ready(f(*args))
@@ -37,6 +23,14 @@ def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
         out = f(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n
+
+
+def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16) -> float:
+    """TFLOP/s of one n^3 matmul per device through JAX (8192 on GPU, 1024 elsewhere), random data."""
+    n = n or (8192 if jax.default_backend() == "gpu" else 1024)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    return 2 * n**3 / time_fn(jax.jit(lambda x, y: x @ y), a, b) / 1e12
 
 
 def synthetic_batch(cfg, setup, seed=0):
