@@ -71,12 +71,46 @@ class ModelConfig:
         ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_up", "mlp_out"),
         help="With remat_policy=selective: named activations kept; everything else is recomputed.")
     scan_layers: bool = _field(True, help="Run the layer stack with lax.scan (one compiled layer).")
-    # Mixture of experts (data for presets; the MoE layers arrive with the MoE work).
-    num_experts: int | None = _field(None, "num_experts")
+    # Mixture of experts (Megatron's --moe-* names). num_experts=None: every layer has a dense MLP.
+    num_experts: int | None = _field(None, "num_experts", "Routed experts per MoE layer; None means a dense model.")
+    moe_layer_freq: str = _field(
+        "1", "moe_layer_freq", "Which layers are MoE: an int N (every N-th layer from layer 0) or a 0/1 pattern, "
+        "e.g. '[0]*1+[1]*27'.")
+    moe_first_dense_layers: int = _field(0, "moe_first_dense_layers",
+                                         "Leading dense layers before the MoE layers (DeepSeek's first_k_dense).")
+    moe_ffn_hidden_size: int | None = _field(None, "moe_ffn_hidden_size", "Expert FFN size; None means ffn_hidden_size.")
+    moe_shared_expert_intermediate_size: int | None = _field(
+        None, "moe_shared_expert_intermediate_size", "FFN size of the shared experts (all of them together).")
+    moe_shared_expert_gate: bool = _field(False, "moe_shared_expert_gate",
+                                          "Scale the shared experts' output by sigmoid(x @ w) (Qwen2-MoE).")
     moe_router_topk: int = _field(2, "moe_router_topk")
-    moe_ffn_hidden_size: int | None = _field(None, "moe_ffn_hidden_size")
-    moe_shared_expert_intermediate_size: int | None = _field(None, "moe_shared_expert_intermediate_size")
-    moe_first_dense_layers: int = _field(0, help="Leading dense layers before MoE layers (DeepSeek).")
+    moe_router_score_function: str = _field("softmax", "moe_router_score_function", "softmax | sigmoid")
+    moe_router_pre_softmax: bool = _field(
+        False, "moe_router_pre_softmax", "Softmax over all experts before the top-k (no renormalisation); else the "
+        "top-k logits are softmaxed.")
+    moe_router_num_groups: int | None = _field(None, "moe_router_num_groups", "Expert groups (group-limited routing).")
+    moe_router_group_topk: int | None = _field(None, "moe_router_group_topk", "Groups a token may route to.")
+    moe_router_topk_scaling_factor: float | None = _field(None, "moe_router_topk_scaling_factor",
+                                                          "Multiplies the routing weights (DeepSeek).")
+    moe_router_dtype: str = _field("fp32", "moe_router_dtype", "fp32 | fp64: router logits and scores.")
+    moe_router_load_balancing_type: str = _field(
+        "aux_loss", "moe_router_load_balancing_type", "aux_loss | seq_aux_loss | global_aux_loss | none")
+    moe_aux_loss_coeff: float = _field(0.0, "moe_aux_loss_coeff")
+    moe_z_loss_coeff: float = _field(0.0, "moe_z_loss_coeff")
+    moe_router_enable_expert_bias: bool = _field(
+        False, "moe_router_enable_expert_bias", "Aux-loss-free balancing: a per-expert bias added to the scores for "
+        "the top-k choice only, updated every step towards equal load.")
+    moe_router_bias_update_rate: float = _field(1e-3, "moe_router_bias_update_rate")
+    moe_router_force_load_balancing: bool = _field(
+        False, "moe_router_force_load_balancing", "Benchmark mode: route to balanced experts regardless of the "
+        "router (the published MoE throughput tables use it).")
+    moe_expert_capacity_factor: float | None = _field(
+        None, "moe_expert_capacity_factor", "None: dropless; else each expert takes at most this factor times its "
+        "even share of the routed tokens.")
+    moe_token_drop_policy: str = _field("probs", "moe_token_drop_policy",
+                                        "probs | position: over capacity, drop the lowest-weight or the latest tokens.")
+    moe_pad_expert_input_to_capacity: bool = _field(False, "moe_pad_expert_input_to_capacity",
+                                                    "With a capacity factor: every expert computes exactly capacity rows.")
 
     @property
     def num_kv_heads(self) -> int:
