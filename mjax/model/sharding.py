@@ -57,6 +57,15 @@ def current_logical_sharding():
     return _CONTEXT.get()
 
 
+def shards(name: str) -> int:
+    """How many shards the mesh axes of logical name `name` split a dim into (1 when no mesh is set)."""
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return 1
+    mesh, rules = ctx
+    return math.prod(mesh.shape[a] for a in rules.get(name) or ())
+
+
 def splits_evenly(name: str, size: int) -> bool:
     """Whether a dim of `size` with logical name `name` divides over its mesh axes (True when no mesh is set)."""
     ctx = _CONTEXT.get()
