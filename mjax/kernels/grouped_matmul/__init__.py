@@ -1,0 +1,122 @@
+"""Grouped matmul (the MoE expert GEMM): the one dispatch point, the pure-JAX reference and the Pallas kernels.
+
+    y = grouped_matmul(x, w, group_sizes, *, impl="auto", tiling=None)
+
+x [M, K] has its rows sorted by group: group g owns rows [sum(group_sizes[:g]), sum(group_sizes[:g + 1])); rows at
+or past sum(group_sizes) are padding and give zero output rows and zero gradients. w [G, K, N]; group_sizes int32
+[G], known only at run time (zeros allowed, any sum <= M). y [M, N] in x.dtype, accumulated in float32.
+Differentiable in x and w: dx = grouped(dy, w^T), dw[g] = x_g^T dy_g (zeros for an empty group). Works under
+jax.vmap (x [B, M, K], group_sizes [B, G], w shared or batched).
+
+impl (the flag --moe_grouped_gemm_impl):
+    xla     jax.lax.ragged_dot (reference.py); gradients by autodiff. Dense expansion on the GPU image.
+    pallas  the Triton kernels (pallas.py): forward, dgrad and wgrad; interpreted off GPU.
+    auto    pallas on a GPU, xla elsewhere. On a GPU a call the kernels cannot take raises GroupedMatmulUnsupported
+            (never a silent fall back to the dense expansion); set --moe_grouped_gemm_impl=xla for that on purpose.
+"""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from mjax.kernels.grouped_matmul.reference import grouped_matmul_reference
+from mjax.kernels.grouped_matmul.tiling import DTYPES, KernelTile, Tiling, default_tiling, tiling_problem
+
+__all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "choose_impl", "grouped_matmul",
+           "resolve_tiling", "why_unsupported"]
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "pallas", "xla")
+FLAG = "--moe_grouped_gemm_impl"
+MAX_ELEMENTS = 2**31 - 1  # Pallas-Triton computes element offsets in int32
+
+
+class GroupedMatmulUnsupported(ValueError):
+    """The requested grouped-matmul implementation cannot do this call; the message names the option to change."""
+
+
+def resolve_tiling(tiling: Tiling | None, dtype, k: int, n: int) -> Tiling | None:
+    """The tiling the kernels run with: `tiling`, or the defaults for this dtype and shape (None: none fits)."""
+    return tiling if tiling is not None else default_tiling(dtype, k, n)
+
+
+def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
+                    m: int | None = None, groups: int | None = None) -> str | None:
+    """The capability table: None if `impl` can do x [M, K] . w [G, K, N] in `dtype`, else the reason in words.
+    Pure in its arguments (no device is consulted); M and G, when given, are checked too."""
+    if impl == "xla":
+        return None
+    if impl == "pallas":
+        del backend  # off GPU the kernels run interpreted, with the same limits
+        dtype = jnp.dtype(dtype)
+        if dtype not in [jnp.dtype(d) for d in DTYPES]:
+            return f"pallas takes bfloat16, float16 or float32 inputs, not {dtype}"
+        largest = max(m * max(k, n) if m else 0, groups * k * n if groups else 0)
+        if largest > MAX_ELEMENTS:
+            return (f"pallas addresses its operands with 32-bit offsets, and x [{m}, {k}] . w [{groups}, {k}, {n}] "
+                    f"has an operand of {largest} elements (more than {MAX_ELEMENTS}); split the tokens or the "
+                    "experts over devices (--ep)")
+        chosen = resolve_tiling(tiling, dtype, k, n)
+        if chosen is None:
+            return f"pallas tiles K and N in whole blocks of at least 16; K={k}, N={n} are not multiples of 16"
+        return tiling_problem(chosen, dtype, k, n)
+    raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
+                m: int | None = None, groups: int | None = None) -> str:
+    """The implementation `impl` resolves to on `backend`: auto is pallas on a GPU (raising when the kernels cannot
+    take the call) and xla elsewhere; an explicit choice is checked, never replaced."""
+    if impl not in IMPLS:
+        raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        if backend != "gpu":
+            return "xla"
+        reason = why_unsupported("pallas", backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups)
+        if reason:
+            raise GroupedMatmulUnsupported(
+                f"{FLAG}=auto picks the Pallas kernels on a GPU, and they cannot do this call: {reason}. Set "
+                f"{FLAG}=xla to run lax.ragged_dot on purpose (a dense expansion here, about 10x slower).")
+        return "pallas"
+    reason = why_unsupported(impl, backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups)
+    if reason:
+        raise GroupedMatmulUnsupported(f"{FLAG}={impl} cannot do this call: {reason}. Choose another tiling or "
+                                       f"{FLAG}=xla.")
+    return impl
+
+
+def _check_operands(x, w, group_sizes):
+    if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(f"grouped_matmul expects x [M, K], w [G, K, N] and group_sizes [G] (a batch goes through "
+                         f"jax.vmap); got x{x.shape}, w{w.shape}, group_sizes{group_sizes.shape}")
+    if x.shape[1] != w.shape[1] or group_sizes.shape[0] != w.shape[0] or w.shape[0] == 0:
+        raise ValueError(f"grouped_matmul: x{x.shape} . w{w.shape} needs K equal and G >= 1 group_sizes, got "
+                         f"group_sizes{group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: group_sizes must be integers, not {group_sizes.dtype}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_matmul needs x and w of one dtype; got {x.dtype} and {w.dtype}")
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | None = None):
+    """See the module docstring; raises GroupedMatmulUnsupported (naming --moe_grouped_gemm_impl) when `impl`
+    cannot do the call."""
+    _check_operands(x, w, group_sizes)
+    (m, k), n = x.shape, w.shape[2]
+    backend = jax.default_backend()
+    chosen = choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=n, tiling=tiling, m=m, groups=w.shape[0])
+    _log_choice(impl, chosen, (m, k), tuple(w.shape), str(x.dtype))
+    if chosen == "xla":
+        return grouped_matmul_reference(x, w, group_sizes)
+    from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas  # noqa: PLC0415  (import only when chosen)
+
+    return grouped_matmul_pallas(x, w, group_sizes.astype(jnp.int32), resolve_tiling(tiling, x.dtype, k, n),
+                                 backend != "gpu")
+
+
+@functools.cache
+def _log_choice(requested, chosen, x_shape, w_shape, dtype):
+    log.info("grouped matmul: %s (requested %s) for x%s . w%s %s", chosen, requested, x_shape, w_shape, dtype)

@@ -1,0 +1,56 @@
+"""Work lists of the grouped-matmul kernels, computed from the run-time group sizes with a few cheap jnp ops.
+
+Rows of x are sorted by group: group g owns [start_g, end_g), and rows at or past sum(group_sizes) are padding,
+treated here as one more segment (id G) whose output rows are written as zeros. The forward and dgrad kernels walk
+aligned [block_m] row blocks; a block that crosses segment boundaries is visited once per segment it touches, each
+visit masking its loads and stores to that segment's rows. Every output row is so written exactly once, and the
+number of visits is at most ceil(M / block_m) + G: a static grid, whose trailing unused steps do nothing.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+UNUSED = 1  # offset past the padding segment's id: a visit with group id G + UNUSED does nothing
+
+
+def group_bounds(group_sizes, rows: int):
+    """(start, end) int32 [G] of each group's rows, clipped to the M rows there are."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+    return jnp.minimum(starts, rows), jnp.minimum(ends, rows)
+
+
+def max_row_tiles(rows: int, groups: int, block_m: int) -> int:
+    return -(-rows // block_m) + groups
+
+
+def row_tiles(group_sizes, rows: int, block_m: int):
+    """int32 [4, T] with T = max_row_tiles: per visit (segment id, row block, first row, last row + 1).
+
+    Segment ids are groups 0..G-1, G for the padding rows (zeros), G + 1 for unused visits."""
+    groups = group_sizes.shape[0]
+    starts, ends = group_bounds(group_sizes, rows)
+    seg_start = jnp.concatenate([starts, ends[-1:]])  # [G + 1]: the groups, then the padding rows
+    seg_end = jnp.concatenate([ends, jnp.full((1,), rows, jnp.int32)])
+    first_block = seg_start // block_m
+    visits = jnp.where(seg_end > seg_start, (seg_end - 1) // block_m - first_block + 1, 0)  # [G + 1]
+    visits_end = jnp.cumsum(visits)
+    t = jnp.arange(max_row_tiles(rows, groups, block_m), dtype=jnp.int32)
+    # Segment of visit t: how many segments end at or before it (a compare-and-sum, which XLA fuses; T x (G + 1)).
+    seg = jnp.sum(visits_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # [T] in [0, G + 1]
+    s = jnp.minimum(seg, groups)
+    block = first_block[s] + t - (visits_end[s] - visits[s])
+    first = jnp.maximum(seg_start[s], block * block_m)
+    last = jnp.minimum(seg_end[s], block * block_m + block_m)
+    return jnp.stack([seg, block, first, last])
+
+
+def swizzle(pid, n_rows: int, n_cols: int, group: int):
+    """Program id -> (row tile, column tile) walking `group` row tiles across all columns before the next ones, so
+    that the programs running at once share their row tiles and column tiles in L2. Non-negative int32 math with
+    static sizes (lax.div and lax.rem lower to Triton as they are)."""
+    per_group = group * n_cols
+    first = lax.div(pid, jnp.int32(per_group)) * group
+    rows_here = jnp.minimum(jnp.int32(n_rows) - first, jnp.int32(group))
+    local = lax.rem(pid, jnp.int32(per_group))
+    return first + lax.rem(local, rows_here), lax.div(local, rows_here)

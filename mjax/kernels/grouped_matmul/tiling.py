@@ -1,0 +1,123 @@
+"""Tiles of the grouped-matmul kernels and what a tiling can do: the capability facts behind `impl="pallas"`.
+
+Each of the three kernels is a GEMM of its own, [rows of the output, columns of the output] contracting a depth:
+    forward  y  [M, N] = x [M, K] . w[g] [K, N]        tile rows over M, columns over N, depth K
+    dgrad    dx [M, K] = dy [M, N] . w[g]^T [N, K]     tile rows over M, columns over K, depth N
+    wgrad    dw[g] [K, N] = x_g^T [K, M_g] . dy_g      tile rows over K, columns over N, depth M_g (any length)
+A `KernelTile` is one kernel's [block_m, block_n] output tile and block_k depth step; `Tiling` holds all three.
+Columns and depth must be whole blocks (no masks on the hot loop); rows of the grouped dimension M never need to.
+"""
+
+import dataclasses
+import re
+
+import jax.numpy as jnp
+
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Shared memory one thread block may use on H100/H200 (227 KiB); the pipelined loads hold num_stages copies of an
+# operand tile pair. A tile that needs more fails inside Triton's compiler with an opaque resource error.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+_TILE_RE = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTile:
+    """One kernel's tile: [block_m, block_k] x [block_k, block_n] per step of the depth loop; Triton launch
+    parameters; group_m output row tiles are walked together so that programs running at once share operand
+    tiles in L2 (grouped ordering). Written "128x128x64w4s3" (optionally "g8")."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"KernelTile.{name}={value} must be a power of two >= 16 (Triton tiles)")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.group_m < 1:
+            raise ValueError(f"KernelTile {self}: num_warps must be a power of two <= 16, num_stages and group_m "
+                             ">= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelTile":
+        match = _TILE_RE.match(text.strip())
+        if not match:
+            raise ValueError(f"tile {text!r} is not of the form BMxBNxBKwWARPSsSTAGES[gGROUP], e.g. 128x128x64w4s3")
+        bm, bn, bk, warps, stages, group = match.groups()
+        return cls(int(bm), int(bn), int(bk), int(warps), int(stages), int(group or 8))
+
+    def __str__(self):
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
+                + ("" if self.group_m == 8 else f"g{self.group_m}"))
+
+    def shared_bytes(self, itemsize: int) -> int:
+        return self.num_stages * (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Tiles of the forward, input-gradient (dgrad) and weight-gradient (wgrad) kernels."""
+
+    forward: KernelTile = KernelTile()
+    dgrad: KernelTile = KernelTile()
+    wgrad: KernelTile = KernelTile()
+
+    @classmethod
+    def uniform(cls, tile: KernelTile) -> "Tiling":
+        return cls(tile, tile, tile)
+
+    def __str__(self):
+        return f"forward={self.forward} dgrad={self.dgrad} wgrad={self.wgrad}"
+
+
+def _largest_dividing(size: int, options) -> int | None:
+    return next((b for b in options if size % b == 0), None)
+
+
+def default_tiling(dtype, k: int, n: int) -> Tiling | None:
+    """Starting points for Hopper (untuned: benchmarks/bench_grouped_matmul.py --tilings sweeps them): the widest
+    column block up to 256 and depth block up to 64 (32 for float32, whose tiles are twice the bytes) that divide
+    the shape; None when K or N is not a multiple of 16."""
+    f32 = jnp.dtype(dtype) == jnp.float32
+    depths = (32, 16) if f32 else (64, 32, 16)
+
+    def gemm(cols: int, depth: int) -> KernelTile | None:
+        bn, bk = _largest_dividing(cols, (256, 128, 64, 32, 16)), _largest_dividing(depth, depths)
+        if bn is None or bk is None:
+            return None
+        wide = bn == 256
+        return KernelTile(128, bn, bk, num_warps=8 if wide else 4, num_stages=3 if wide else 4)
+
+    forward, dgrad = gemm(n, k), gemm(k, n)
+    bm, bn = _largest_dividing(k, (128, 64, 32, 16)), _largest_dividing(n, (128, 64, 32, 16))
+    if forward is None or dgrad is None or bm is None or bn is None:
+        return None
+    return Tiling(forward, dgrad, KernelTile(bm, bn, depths[0], num_warps=4, num_stages=4))
+
+
+def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
+    """None if every kernel of `tiling` can run x [M, K] . w [G, K, N] in `dtype`, else the reason in words."""
+    itemsize = jnp.dtype(dtype).itemsize
+    # (kernel, tile, output columns, depth): rows are M (any) for forward/dgrad; wgrad's rows are K.
+    gemms = (("forward", tiling.forward, ("N", n), ("K", k)), ("dgrad", tiling.dgrad, ("K", k), ("N", n)))
+    for kernel, tile, (cols_name, cols), (depth_name, depth) in gemms:
+        if cols % tile.block_n:
+            return f"the {kernel} kernel needs {cols_name}={cols} to be a multiple of block_n={tile.block_n}"
+        if depth % tile.block_k:
+            return f"the {kernel} kernel needs {depth_name}={depth} to be a multiple of block_k={tile.block_k}"
+    if k % tiling.wgrad.block_m:
+        return f"the wgrad kernel needs K={k} to be a multiple of block_m={tiling.wgrad.block_m}"
+    if n % tiling.wgrad.block_n:
+        return f"the wgrad kernel needs N={n} to be a multiple of block_n={tiling.wgrad.block_n}"
+    for kernel in ("forward", "dgrad", "wgrad"):
+        tile = getattr(tiling, kernel)
+        if tile.shared_bytes(itemsize) > SHARED_MEMORY_BYTES:
+            return (f"the {kernel} tile {tile} needs {tile.shared_bytes(itemsize) // 1024} KiB of shared memory "
+                    f"for {jnp.dtype(dtype).name} (at most {SHARED_MEMORY_BYTES // 1024}); use fewer stages or "
+                    "smaller blocks")
+    return None

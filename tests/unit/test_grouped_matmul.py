@@ -1,0 +1,281 @@
+"""Grouped matmul (mjax/kernels/grouped_matmul): the Pallas kernels (interpreted) and the lax.ragged_dot reference
+against a float64 NumPy oracle for y, dx and dw; the tile schedule against a direct enumeration; jax.vmap; the
+Triton lowering of every kernel for an H200; the dispatch and its capability table."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mjax.kernels.grouped_matmul import (IMPLS, GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
+                                         grouped_matmul, why_unsupported)
+from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.tiling import default_tiling
+from tests.gpu_lowering import lower_for_h200
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+TINY = Tiling.uniform(KernelTile(16, 16, 16))  # 16-row blocks, so that small groups straddle and share blocks
+K, N = 32, 48  # two depth blocks forward (K) and three in dgrad (N)
+M = 60  # rows; every case has M rows and 9 groups, so that each kernel compiles once for all of them
+# Group sizes: empty groups first, in the middle and last; sizes that are not multiples of 16; one 16-row block
+# holding four groups (rows 0-15: groups 1, 2, 3 and the start of 5); padding rows past the sum (all but
+# one_group); groups of whole blocks with the padding starting mid-block.
+CASES = {
+    "ragged": [0, 3, 2, 4, 0, 25, 13, 1, 0],
+    "one_group": [0, 0, 0, 0, M, 0, 0, 0, 0],
+    "all_padding": [0] * 9,
+    "whole_blocks": [16, 0, 32, 0, 0, 0, 0, 0, 0],
+}
+
+
+def _oracle(x, w, group_sizes, dy):
+    """float64 NumPy loop over groups: y = x_g w_g, dx = dy_g w_g^T, dw_g = x_g^T dy_g, zeros elsewhere; and the
+    same products of absolute values (the scale of each result's rounding error)."""
+    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+    results = {"y": np.zeros((x.shape[0], w.shape[2])), "dx": np.zeros_like(x), "dw": np.zeros_like(w)}
+    scales = {name: np.zeros_like(r) for name, r in results.items()}
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        rows = slice(start, start + size)
+        for out, f in ((results, lambda a: a), (scales, np.abs)):
+            out["y"][rows] = f(x[rows]) @ f(w[g])
+            out["dx"][rows] = f(dy[rows]) @ f(w[g]).T
+            out["dw"][g] = f(x[rows]).T @ f(dy[rows])
+        start += size
+    return results, scales
+
+
+def _tolerance(scale, depth: int, dtype):
+    """Error allowed for a float32-accumulated product whose terms' absolute values sum to `scale`: a float32 sum of
+    `depth` terms in any order stays within ~lambda sqrt(depth) u sum|terms| (probabilistic rounding error
+    analysis, Higham & Mary 2019; lambda = 4, u = 2^-24), plus one ulp of `dtype` for rounding the result (a
+    relative 2^-23 for float32, 2^-10 for float16, 2^-7 for bfloat16: twice round-to-nearest's worst case).
+    Measured here: errors reach 0.12 of this for float32 and 0.5 for 16-bit results (their rounding)."""
+    return (4 * math.sqrt(max(depth, 1)) * 2.0**-24 + 2.0 ** -jnp.finfo(dtype).nmant) * scale
+
+
+def _inputs(group_sizes, m, dtype, seed=0):
+    """x, w, group sizes, dy; NaN in the padding rows of x and dy, which must never reach a result."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    total = sum(group_sizes)
+    x = jax.random.normal(k1, (m, K), jnp.float32).at[total:].set(jnp.nan).astype(dtype)
+    w = jax.random.normal(k2, (len(group_sizes), K, N), jnp.float32).astype(dtype)
+    dy = jax.random.normal(k3, (m, N), jnp.float32).at[total:].set(jnp.nan).astype(dtype)
+    return x, w, jnp.asarray(group_sizes, jnp.int32), dy
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "tiling"))  # one compile for every case of a shape
+def _run(impl, x, w, group_sizes, dy, tiling=TINY):
+    tiling = tiling if impl == "pallas" else None
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, impl=impl, tiling=tiling), x, w)
+    return dict(zip(("y", "dx", "dw"), (y, *vjp(dy))))
+
+
+def _check_against_oracle(got, x, w, group_sizes, dy, dtype):
+    pad = lambda a: np.where(np.isnan(a), 0.0, a)  # noqa: E731  (NaN padding rows take no part in the oracle)
+    total = sum(group_sizes)
+    want, scales = _oracle(pad(np.asarray(x, np.float64)), np.asarray(w, np.float64), group_sizes,
+                           pad(np.asarray(dy, np.float64)))
+    depths = {"y": K, "dx": N, "dw": max(group_sizes)}
+    for name in ("y", "dx", "dw"):
+        value = np.asarray(got[name], np.float64)
+        assert got[name].dtype == dtype and value.shape == want[name].shape, name
+        excess = np.abs(value - want[name]) - _tolerance(scales[name], depths[name], dtype)
+        assert np.all(excess <= 0), f"{name}: exceeds the tolerance by up to {np.nanmax(excess)} (NaN anywhere: " \
+                                    f"{np.isnan(value).any()})"
+    # Padding rows and empty groups: exact zeros.
+    assert np.all(np.asarray(got["y"])[total:] == 0) and np.all(np.asarray(got["dx"])[total:] == 0)
+    empty = [g for g, size in enumerate(group_sizes) if size == 0]
+    assert np.all(np.asarray(got["dw"])[empty] == 0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_float32_matches_the_float64_oracle(impl, case):
+    group_sizes = CASES[case]
+    x, w, gs, dy = _inputs(group_sizes, M, jnp.float32)
+    _check_against_oracle(_run(impl, x, w, gs, dy), x, w, group_sizes, dy, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_half_precision_matches_the_float64_oracle(impl, dtype):
+    group_sizes = CASES["ragged"]
+    x, w, gs, dy = _inputs(group_sizes, M, dtype, seed=1)
+    _check_against_oracle(_run(impl, x, w, gs, dy), x, w, group_sizes, dy, dtype)
+
+
+def test_default_tiling_matches_the_oracle():
+    """The default tiles (128-row blocks, wider than every group here) on a K and N that fit them."""
+    group_sizes = CASES["ragged"]
+    x, w, gs, dy = _inputs(group_sizes, M, jnp.float32, seed=2)
+    _check_against_oracle(_run("pallas", x, w, gs, dy, tiling=None), x, w, group_sizes, dy, jnp.float32)
+
+
+_row_tiles = jax.jit(row_tiles, static_argnums=(1, 2))
+
+
+def _used_visits(group_sizes, rows, block_m):
+    visits = np.asarray(_row_tiles(jnp.asarray(group_sizes, jnp.int32), rows, block_m))  # [4, T]
+    assert visits.shape == (4, max_row_tiles(rows, len(group_sizes), block_m))
+    used = visits[0] <= len(group_sizes)
+    assert np.all(used[:used.sum()]) and not np.any(used[used.sum():])  # unused visits trail, id G + 1
+    return visits[:, used]
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("seed", range(4))
+def test_row_tiles_cover_every_row_once_within_one_block_and_one_segment(seed, block_m):
+    rng = np.random.default_rng(seed)
+    groups, rows = 8, 200
+    sizes = rng.integers(0, 25, groups) * rng.integers(0, 2, groups)  # about half the groups empty; sum <= 198
+    sizes[-1] = seed * 10  # 0 to 30 rows in the last group; 0 to 200 padding rows
+    segment_of_row = np.concatenate([np.repeat(np.arange(groups), sizes), np.full(rows - sizes.sum(), groups)])
+    seen = np.zeros(rows, int)
+    for seg, block, first, last in _used_visits(sizes, rows, block_m).T:
+        assert block * block_m <= first < last <= (block + 1) * block_m
+        assert np.all(segment_of_row[first:last] == seg)
+        seen[first:last] += 1
+    assert np.all(seen == 1)
+
+
+def test_a_block_of_tiny_groups_is_visited_once_per_group():
+    visits = _used_visits([3, 2, 0, 4, 30], 40, 16)
+    assert visits.T.tolist() == [[0, 0, 0, 3], [1, 0, 3, 5], [3, 0, 5, 9], [4, 0, 9, 16], [4, 1, 16, 32],
+                                 [4, 2, 32, 39], [5, 2, 39, 40]]  # the last row is padding (segment G = 5)
+
+
+@pytest.mark.parametrize("n_rows,n_cols,group", [(7, 3, 2), (8, 5, 8), (5, 4, 8), (1, 6, 3)])
+def test_swizzle_visits_every_tile_once(n_rows, n_cols, group):
+    from mjax.kernels.grouped_matmul.schedule import swizzle  # noqa: PLC0415
+
+    pids = jnp.arange(n_rows * n_cols, dtype=jnp.int32)
+    rows, cols = (np.asarray(a) for a in jax.vmap(lambda p: swizzle(p, n_rows, n_cols, group))(pids))
+    assert sorted(zip(rows.tolist(), cols.tolist())) == [(i, j) for i in range(n_rows) for j in range(n_cols)]
+    assert np.all(np.diff(rows[: min(group, n_rows) * n_cols] // group) == 0)  # the first group of row tiles first
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_vmap_over_a_batch_equals_each_item(impl):
+    """x [B, M, K], group_sizes [B, G] (different per item, with empty groups and padding), w shared."""
+    sizes = [[5, 0, 20, 3], [0, 0, 0, 28], [10, 10, 0, 0]]
+    m = 30
+    items = [_inputs(s, m, jnp.float32, seed=10 + i) for i, s in enumerate(sizes)]
+    w = items[0][1]
+    x, gs, dy = (jnp.stack([item[j] for item in items]) for j in (0, 2, 3))
+
+    def one(x, gs, dy):
+        r = _run(impl, x, w, gs, dy)
+        return r["y"], r["dx"], r["dw"]
+
+    batched = jax.jit(jax.vmap(one))(x, gs, dy)
+    for b in range(len(sizes)):
+        for got, want in zip(batched, one(x[b], gs[b], dy[b])):
+            np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
+
+
+def _fwd_bwd(tiling, interpret=False):
+    def f(x, w, gs, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul_pallas(x, w, gs, tiling, interpret), x, w)
+        return y, *vjp(dy)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("rows", [1024, 1000])  # whole 128-row blocks, and a last block past the array (masked)
+def test_every_kernel_lowers_through_triton_for_an_h200(dtype, rows):
+    k, n, groups = 256, 384, 5
+    tiling = default_tiling(dtype, k, n)
+    args = (jnp.zeros((rows, k), dtype), jnp.zeros((groups, k, n), dtype), jnp.zeros((groups,), jnp.int32),
+            jnp.zeros((rows, n), dtype))
+    assert lower_for_h200(_fwd_bwd(tiling), *args) == 3  # forward, dgrad, wgrad
+
+
+def test_the_batched_kernels_lower_through_triton():
+    tiling = default_tiling(jnp.bfloat16, 256, 384)
+    args = (jnp.zeros((2, 512, 256), jnp.bfloat16), jnp.zeros((4, 256, 384), jnp.bfloat16),
+            jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 512, 384), jnp.bfloat16))
+    assert lower_for_h200(jax.vmap(_fwd_bwd(tiling), in_axes=(0, None, 0, 0)), *args) == 3
+
+
+# ---- dispatch and capability table ----
+
+FACTS = dict(dtype=jnp.bfloat16, k=2048, n=768)
+
+
+def test_auto_is_xla_off_gpu_and_pallas_on_gpu():
+    assert choose_impl("auto", backend="cpu", **FACTS) == "xla"
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        assert choose_impl("auto", backend="gpu", dtype=dtype, k=2048, n=768) == "pallas"
+    x, w, gs, _ = _inputs([3, 5], 8, jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: grouped_matmul(x, w, gs))(x, w))  # this test process runs on CPU
+    assert "ragged_dot" in jaxpr and "pallas_call" not in jaxpr
+
+
+@pytest.mark.parametrize("facts,reason", [
+    (dict(dtype=jnp.int8, k=2048, n=768), "bfloat16, float16 or float32"),
+    (dict(dtype=jnp.float8_e4m3fn, k=2048, n=768), "bfloat16, float16 or float32"),
+    (dict(dtype=jnp.bfloat16, k=2040, n=768), "not multiples of 16"),
+    (dict(dtype=jnp.bfloat16, k=2048, n=760), "not multiples of 16"),
+    (dict(dtype=jnp.bfloat16, k=2048, n=768, tiling=Tiling(forward=KernelTile(128, 512, 64))),
+     "N=768 to be a multiple of block_n=512"),
+    (dict(dtype=jnp.bfloat16, k=2048, n=768, tiling=Tiling(dgrad=KernelTile(128, 128, 512))),
+     "N=768 to be a multiple of block_k=512"),
+    (dict(dtype=jnp.bfloat16, k=1408, n=768, tiling=Tiling(wgrad=KernelTile(256, 128, 64))),
+     "K=1408 to be a multiple of block_m=256"),
+    (dict(dtype=jnp.float32, k=2048, n=768, tiling=Tiling.uniform(KernelTile(128, 256, 64, 8, 4))),
+     "KiB of shared memory"),
+    (dict(dtype=jnp.bfloat16, k=4096, n=14336, m=2**16, groups=64), "32-bit offsets"),
+])
+def test_auto_on_gpu_raises_naming_the_flag_instead_of_falling_back(facts, reason):
+    assert reason in why_unsupported("pallas", backend="gpu", **facts)
+    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl=auto") as err:
+        choose_impl("auto", backend="gpu", **facts)
+    assert reason in str(err.value) and "--moe_grouped_gemm_impl=xla" in str(err.value)
+    assert choose_impl("xla", backend="gpu", **facts) == "xla"  # on purpose, it is allowed
+
+
+def test_unknown_impl_and_an_untileable_explicit_pallas_call_raise_naming_the_flag():
+    assert set(IMPLS) == {"auto", "pallas", "xla"}
+    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl='cutlass' is not one of"):
+        choose_impl("cutlass", backend="gpu", **FACTS)
+    x, w, gs, _ = _inputs([3, 5], 8, jnp.float32)
+    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl"):
+        grouped_matmul(x, w, gs, impl="triton")
+    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl=pallas cannot do this call: .*N=48"):
+        grouped_matmul(x, w, gs, impl="pallas", tiling=Tiling.uniform(KernelTile(16, 32, 16)))
+
+
+def test_operands_are_checked():
+    x, w, gs, _ = _inputs([3, 5], 8, jnp.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        grouped_matmul(x, w.astype(jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul(x, w, gs[:1])
+    with pytest.raises(ValueError, match="jax.vmap"):
+        grouped_matmul(x[None], w, gs)
+
+
+def test_tiles_parse_print_and_validate():
+    tile = KernelTile.parse("128x256x64w8s3")
+    assert (tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages, tile.group_m) == \
+        (128, 256, 64, 8, 3, 8)
+    assert KernelTile.parse(str(KernelTile(64, 128, 32, 4, 5, 4))) == KernelTile(64, 128, 32, 4, 5, 4)
+    for bad in ("128x128", "128x128x64", "96x128x64w4s3"):
+        with pytest.raises(ValueError):
+            KernelTile.parse(bad)
+
+
+def test_default_tiling_takes_the_widest_blocks_that_divide():
+    t = default_tiling(jnp.bfloat16, 2048, 768)
+    assert (t.forward.block_n, t.forward.block_k, t.dgrad.block_n, t.dgrad.block_k) == (256, 64, 256, 64)
+    assert (t.wgrad.block_m, t.wgrad.block_n) == (128, 128)
+    t = default_tiling(jnp.bfloat16, 2048, 1408)  # DeepSeek-MoE's expert FFN: 11 x 128
+    assert (t.forward.block_n, t.dgrad.block_k, t.wgrad.block_n) == (128, 64, 128)
+    assert default_tiling(jnp.float32, 2048, 768).forward.block_k == 32
+    assert default_tiling(jnp.bfloat16, 2048, 1000) is None
