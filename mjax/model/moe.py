@@ -1,0 +1,267 @@
+"""Mixture-of-Experts layer (Megatron-LM's MoELayer: TopKRouter, grouped-GEMM experts, shared experts), in place of
+the dense MLP of an MoE layer: `MoE(cfg, ...)(x [B, T, D]) -> (y [B, T, D], stats)`.
+
+Parameters (names are what checkpoints and conversion tables use; logical axes in brackets):
+    router/kernel                 [D, E]     ("embed", None)            normal(init_method_std)
+    router/expert_bias            [E]        (None,)                    zeros, float32; only with
+                                  --moe_router_enable_expert_bias. Never trained by gradients (its gradient is
+                                  zero): the train step overwrites it with router.expert_bias_update once a step.
+    experts/gate_proj/kernel      [E, D, F]  ("experts", "embed", "mlp")  normal(init_method_std); SwiGLU only
+    experts/up_proj/kernel        [E, D, F]  ("experts", "embed", "mlp")  normal(init_method_std)
+    experts/down_proj/kernel      [E, F, D]  ("experts", "mlp", "embed")  normal(output_std: std / sqrt(2 L))
+    shared_experts/...            an mjax.model.mlp.MLP of FFN size --moe_shared_expert_intermediate_size
+    shared_expert_gate/kernel     [D, 1]     ("embed", None)            with --moe_shared_expert_gate:
+                                  y_shared * sigmoid(x @ gate) (Qwen2-MoE)
+F = --moe_ffn_hidden_size (default --ffn_hidden_size). Experts are SwiGLU (--activation=swiglu) or GELU.
+
+Forward: the router logits x @ router/kernel in --moe_router_dtype (full-precision matmul), router.route picks the
+top-k, then per dispatch group (one per shard of the logical `batch` axis, so under data parallelism the sort stays
+local; 1 without a mesh) the assignments are sorted by expert (moe_dispatch.py), the gate and up projections run as
+one grouped GEMM on their [E, D, F, 2] concatenation, the SwiGLU output is multiplied by the routing weight (where
+Megatron applies it), the down projection is a second grouped GEMM, and each token sums its slots. Dropless
+results do not depend on the number of dispatch groups; with --moe_expert_capacity_factor the capacity (and so what
+is dropped) is per dispatch group, as Megatron's is per rank. Shared experts (and their gate) are added last.
+
+stats (a flat dict of arrays; the caller reduces them; router dtype unless said):
+    router_probs_sum        [B, E]  per sequence: sum of the aux-loss scores (differentiable); see router.py
+    router_topk_count       [B, E]  int32, per sequence: tokens whose aux-loss top-k includes e (no gradient)
+    router_z_sum            [B]     per sequence: sum of logsumexp(logits)^2 (differentiable)
+    tokens_per_expert       [E]     int32: routed assignments per expert, before dropping
+    kept_tokens_per_expert  [E]     int32: after dropping (= tokens_per_expert when dropless); the expert-bias
+                                    update (router.expert_bias_update) sums these over the global batch, as
+                                    Megatron counts its routing map after dropping
+    dropped_assignments     []      int32: assignments dropped over capacity
+router.py builds the losses from them (aux_loss, seq_aux_loss, global_aux_loss, z_loss).
+
+Remat names (jax.ad_checkpoint.checkpoint_name), for --remat_policy=selective:
+    moe_router_logits  [B*T, E]        router logits (router dtype)
+    moe_dispatch       [G, R, D]       the tokens sorted into expert rows
+    moe_up             [G, R, 2F]      the gate/up grouped GEMM output ([G, R, F] for GELU experts)
+    moe_hidden         [G, R, F]       the weighted SwiGLU (GELU) output, the down GEMM's input
+    moe_down           [G, R, D]       the down grouped GEMM output, before each token sums its slots
+    moe_out            [B, T, D]       the layer's output (routed + shared experts)
+with G dispatch groups and R rows per group (tokens per group * k; E * capacity when padded to capacity). The
+shared experts are an MLP and carry its names (mlp_up, mlp_hidden, mlp_out).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from mjax.model import router as moe_router
+from mjax.model.layers import Linear, output_std
+from mjax.model.mlp import MLP, swiglu_pairs
+from mjax.model.moe_dispatch import permute, plan_dispatch, row_weights, unpermute
+from mjax.model.sharding import constrain, param, shards
+
+
+def _normal(rngs, shape, std, dtype):
+    return std * jax.random.normal(rngs.params(), shape, dtype)
+
+
+class Router(nnx.Module):
+    """The gating linear [D, E] (and the aux-loss-free expert bias [E]); routing itself is mjax.model.router."""
+
+    def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs):
+        self.kernel = param(_normal(rngs, (cfg.hidden_size, cfg.num_experts), cfg.init_method_std, param_dtype),
+                            ("embed", None))
+        self.expert_bias = (param(jnp.zeros((cfg.num_experts,), jnp.float32), (None,))
+                            if cfg.moe_router_enable_expert_bias else None)
+
+    def logits(self, x, dtype):  # [N, D] -> [N, E] in the router dtype, at full precision (no TF32)
+        return jnp.dot(x.astype(dtype), self.kernel[...].astype(dtype), precision=lax.Precision.HIGHEST)
+
+    def bias(self):  # [E] or None; the bias is moved by the train step's rule, never by gradients
+        return None if self.expert_bias is None else lax.stop_gradient(self.expert_bias[...])
+
+
+class ExpertKernel(nnx.Module):
+    """The stacked kernels [E, in, out] of one projection of every expert."""
+
+    def __init__(self, shape, axes, *, std, param_dtype, rngs: nnx.Rngs):
+        self.kernel = param(_normal(rngs, shape, std, param_dtype), axes)
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs):
+        e, d = cfg.num_experts, cfg.hidden_size
+        f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        self.gated = cfg.activation == "swiglu"
+        up = dict(axes=("experts", "embed", "mlp"), std=cfg.init_method_std, param_dtype=param_dtype, rngs=rngs)
+        if self.gated:
+            self.gate_proj = ExpertKernel((e, d, f), **up)
+        self.up_proj = ExpertKernel((e, d, f), **up)
+        self.down_proj = ExpertKernel((e, f, d), ("experts", "mlp", "embed"), std=output_std(cfg),
+                                      param_dtype=param_dtype, rngs=rngs)
+
+    def kernels(self, dtype):
+        """(fused gate/up [E, D, 2F] with (gate, up) column pairs, down [E, F, D]) in `dtype`."""
+        up = self.up_proj.kernel[...]
+        if self.gated:  # pairs as the dense MLP's fused GEMM, so swiglu_pairs' packed backward applies
+            e, d, f = up.shape
+            up = jnp.stack([self.gate_proj.kernel[...], up], axis=-1).reshape(e, d, 2 * f)  # [E, D, F, 2] -> [E, D, 2F]
+        return up.astype(dtype), self.down_proj.kernel[...].astype(dtype)
+
+
+def _ragged_dot_f32(x, w, group_sizes):
+    return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+_ragged_dot = jax.custom_batching.custom_vmap(_ragged_dot_f32)
+
+
+@_ragged_dot.def_vmap
+def _ragged_dot_vmap(axis_size, in_batched, x, w, group_sizes):
+    # lax.ragged_dot batches only when every operand is batched: broadcast the shared expert weights.
+    x, w, group_sizes = (a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                         for a, batched in zip((x, w, group_sizes), in_batched))
+    return jax.vmap(_ragged_dot_f32)(x, w, group_sizes), True
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto"):
+    """x [M, K] (rows sorted by group) . w [G, K, N] -> [M, N] in x.dtype, float32 accumulation; rows past
+    sum(group_sizes) give zeros. Until mjax.kernels.grouped_matmul lands this is lax.ragged_dot (its reference)."""
+    if impl not in ("auto", "xla"):
+        raise ValueError(f"--moe_grouped_gemm_impl={impl!r}: only auto and xla (lax.ragged_dot) are available")
+    return _ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32))
+
+
+def expert_rows(xs, weights, group_sizes, gate_up, down, *, gated: bool, impl: str):
+    """The experts on dispatched rows xs [R, D] with routing weights [R] -> [R, D]: grouped GEMM, SwiGLU (or GELU)
+    times the weight, grouped GEMM."""
+    up = checkpoint_name(grouped_matmul(xs, gate_up, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, 2F]
+    if gated:
+        h = swiglu_pairs(up.reshape(up.shape[0], -1, 2))  # [R, 2F] -> [R, F]
+    else:
+        h = jax.nn.gelu(up, approximate=True)
+    compute = jnp.promote_types(weights.dtype, jnp.float32)
+    h = checkpoint_name((h.astype(compute) * weights[:, None].astype(compute)).astype(xs.dtype), "moe_hidden")
+    return checkpoint_name(grouped_matmul(h, down, group_sizes, impl=impl), "moe_down")  # [R, F] -> [R, D]
+
+
+def dispatch_group(x, weights, experts, priority, gate_up, down, *, num_experts, capacity, policy, pad_to_capacity,
+                   gated, impl):
+    """One dispatch group: x [n, D], weights / experts [n, k], priority [n] -> (y [n, D] float32, plan)."""
+    plan = plan_dispatch(experts, weights, num_experts=num_experts, capacity=capacity, policy=policy,
+                         pad_to_capacity=pad_to_capacity, priority=priority)
+    xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")  # [R, D]
+    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, gate_up, down, gated=gated, impl=impl)
+    return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # [R, D] -> [n, D]
+
+
+def _check(cfg, quant):
+    if quant is not None:
+        raise ValueError("MoE expert GEMMs have no FP8/FP4 path yet: train MoE models without --fp8_recipe / "
+                         "--fp4_recipe, or build the MoE layers with quant=None (kept in the compute dtype)")
+    e, k = cfg.num_experts, cfg.moe_router_topk
+    if not e or not 1 <= k <= e:
+        raise ValueError(f"--moe_router_topk={k} must be between 1 and --num_experts={e}")
+    if cfg.activation not in ("swiglu", "gelu"):
+        raise ValueError(f"--activation={cfg.activation!r}: MoE experts are swiglu or gelu")
+    if cfg.add_bias_linear:
+        raise ValueError("--add_bias_linear: MoE experts and router have no biases here; unset it for MoE models")
+    if cfg.moe_shared_expert_gate and not cfg.moe_shared_expert_intermediate_size:
+        raise ValueError("--moe_shared_expert_gate needs --moe_shared_expert_intermediate_size (the shared experts)")
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        raise ValueError("--moe_router_enable_expert_bias needs --moe_router_score_function=sigmoid (as in "
+                         "Megatron-LM): softmax routing ignores the expert bias")
+    if cfg.moe_expert_capacity_factor is not None and cfg.moe_expert_capacity_factor <= 0:
+        raise ValueError(f"--moe_expert_capacity_factor={cfg.moe_expert_capacity_factor} must be positive "
+                         "(unset it for dropless)")
+    if cfg.moe_pad_expert_input_to_capacity and cfg.moe_expert_capacity_factor is None:
+        raise ValueError("--moe_pad_expert_input_to_capacity needs --moe_expert_capacity_factor")
+    if cfg.moe_token_drop_policy not in moe_router.DROP_POLICIES:
+        raise ValueError(f"--moe_token_drop_policy={cfg.moe_token_drop_policy!r} is not one of "
+                         f"{', '.join(moe_router.DROP_POLICIES)}")
+    moe_router.router_dtype(cfg.moe_router_dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
+        _check(cfg, quant)
+        self.cfg, self.dtype = cfg, dtype
+        self.router = Router(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), dtype=dtype,
+                                   param_dtype=param_dtype, rngs=rngs) if shared else None)
+        self.shared_expert_gate = (Linear((cfg.hidden_size,), (1,), in_axes=("embed",), out_axes=(None,),
+                                          std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                   if cfg.moe_shared_expert_gate else None)
+
+    def __call__(self, x, *, key=None):
+        """x [B, T, D] -> (y [B, T, D] in the compute dtype, stats). `key`: the noise of
+        --moe_router_force_load_balancing (required with it, unused without)."""
+        cfg = self.cfg
+        b, t, d = x.shape
+        k, e = cfg.moe_router_topk, cfg.num_experts
+        logits = self.router.logits(x.reshape(b * t, d), moe_router.router_dtype(cfg.moe_router_dtype))  # [N, E]
+        if cfg.moe_router_force_load_balancing:
+            if key is None:
+                raise ValueError("--moe_router_force_load_balancing draws random router logits: pass key= to MoE")
+            logits = moe_router.force_balanced_logits(logits, key)
+        logits = checkpoint_name(logits, "moe_router_logits")
+        weights, experts = moe_router.route(
+            logits, topk=k, score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
+            num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+            scaling_factor=cfg.moe_router_topk_scaling_factor, expert_bias=self.router.bias())  # [N, k]
+        y, plan_stats = self._routed(x, weights, experts)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x).astype(jnp.float32)
+            if self.shared_expert_gate is not None:
+                shared = shared * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [B, T, 1]
+            y = y + shared
+        y = checkpoint_name(constrain(y.astype(self.dtype), ("batch", "seq", "act_embed")), "moe_out")
+        return y, {**self._router_stats(logits, b), **plan_stats}
+
+    def _router_stats(self, logits, b):
+        cfg = self.cfg
+        probs, topk_map = moe_router.aux_loss_scores(logits, topk=cfg.moe_router_topk,
+                                                     score_function=cfg.moe_router_score_function)
+        e = logits.shape[-1]
+        return {"router_probs_sum": probs.reshape(b, -1, e).sum(1),  # [N, E] -> [B, E]
+                "router_topk_count": topk_map.reshape(b, -1, e).sum(1),
+                "router_z_sum": moe_router.z_loss_per_token(logits).reshape(b, -1).sum(1)}  # [N] -> [B]
+
+    def _groups(self, b):
+        """Dispatch groups: one per shard of the logical batch axis. A batch that does not divide over them is not
+        split by the mesh either; dropless results do not depend on the count, so one group does the same work."""
+        groups = shards("batch")
+        if b % groups == 0:
+            return groups
+        if self.cfg.moe_expert_capacity_factor is not None:
+            raise ValueError(f"--moe_expert_capacity_factor: a batch of {b} sequences does not split over the "
+                             f"{groups} batch shards, and the capacity is per shard; use a batch divisible by "
+                             f"{groups} (or dropless MoE)")
+        return 1
+
+    def _routed(self, x, weights, experts):
+        """The routed experts: x [B, T, D], weights / experts [B*T, k] -> (y [B, T, D] float32, dispatch stats)."""
+        cfg = self.cfg
+        b, t, d = x.shape
+        k, e = cfg.moe_router_topk, cfg.num_experts
+        g = self._groups(b)
+        n = b // g * t  # tokens per dispatch group
+        xg = constrain(x.astype(self.dtype).reshape(g, n, d), ("batch", None, "act_embed"))  # [B, T, D] -> [G, n, D]
+        # Megatron's tokens are sequence-major ([T, B] flattened): position priority is the position in the sequence,
+        # then the sequence.
+        seq_b, pos = jnp.divmod(jnp.arange(n, dtype=jnp.int32), t)
+        priority = pos * (b // g) + seq_b  # [n]
+        capacity = None
+        if cfg.moe_expert_capacity_factor is not None:
+            capacity = moe_router.expert_capacity(n, e, k, cfg.moe_expert_capacity_factor)
+        gate_up, down = self.experts.kernels(self.dtype)
+        run = functools.partial(dispatch_group, num_experts=e, capacity=capacity, policy=cfg.moe_token_drop_policy,
+                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, gated=self.experts.gated,
+                                impl=getattr(cfg, "moe_grouped_gemm_impl", "auto"))
+        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None, None))(
+            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, gate_up, down)  # y [G, n, D]
+        tokens, kept = plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0)  # [G, E] -> [E]
+        stats = {"tokens_per_expert": tokens, "kept_tokens_per_expert": kept,
+                 "dropped_assignments": (tokens - kept).sum()}
+        return y.reshape(b, t, d), stats

@@ -1,0 +1,481 @@
+"""The MoE layer against a per-token NumPy float64 loop over each token's chosen experts (forward) and against
+jax.grad of a dense pure-JAX layer that runs every expert on every token with masks (gradients)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh
+
+from mjax.config import ModelConfig
+from mjax.model import moe as moe_module
+from mjax.model import router
+from mjax.model.moe import MoE
+from mjax.model.moe_dispatch import plan_dispatch
+from mjax.model.sharding import logical_sharding
+from tests.unit.test_router import enable_x64, np_capacity_keep, np_route, np_sigmoid
+
+# float32 layer vs float64 oracle, O(1) activations and D, F <= 32: measured differences stay below 2e-6.
+TOL = dict(rtol=2e-5, atol=2e-5)
+B, T, D, F, E = 4, 6, 16, 32, 4
+
+
+def make_cfg(**kw):
+    base = dict(hidden_size=D, ffn_hidden_size=64, num_layers=2, num_experts=E, moe_ffn_hidden_size=F,
+                moe_router_topk=2, init_method_std=0.3)
+    return ModelConfig(**{**base, **kw})
+
+
+def make_moe(cfg, seed=0, dtype=jnp.float32):
+    return MoE(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+
+
+def params_of(m):
+    return nnx.to_pure_dict(nnx.state(m, nnx.Param))
+
+
+def inputs(seed=1, shape=(B, T, D)):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def route_kwargs(cfg):
+    return dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
+                pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+                group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor)
+
+
+# ---- the NumPy float64 oracle ----
+
+def np_silu(x):
+    return x * np_sigmoid(x)
+
+
+def np_gelu(x):  # tanh approximation
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def np64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def np_routing(p, x, cfg):
+    """(x [N, D], logits, weights [N, k], experts [N, k]) in float64; asserts no near-tie at the top-k boundary, so
+    float32 routing cannot choose differently."""
+    x = np.asarray(x, np.float64).reshape(-1, D)
+    logits = x @ p["router"]["kernel"]
+    bias = p["router"].get("expert_bias")
+    weights, experts = np_route(logits, expert_bias=bias, **route_kwargs(cfg))
+    if not cfg.moe_router_group_topk:
+        choice = np_sigmoid(logits) + (0 if bias is None else bias) if cfg.moe_router_score_function == "sigmoid" \
+            else logits
+        ranked = np.sort(choice, -1)[:, ::-1]
+        k = cfg.moe_router_topk
+        if k < ranked.shape[1]:
+            assert (ranked[:, k - 1] - ranked[:, k]).min() > 1e-4, "near-tie in the routing: pick another seed"
+    return x, logits, weights, experts
+
+
+def np_expert(p, x, e, gated):
+    ex = p["experts"]
+    if gated:
+        h = np_silu(x @ ex["gate_proj"]["kernel"][e]) * (x @ ex["up_proj"]["kernel"][e])
+    else:
+        h = np_gelu(x @ ex["up_proj"]["kernel"][e])
+    return h @ ex["down_proj"]["kernel"][e]
+
+
+def np_shared(p, x):
+    if "shared_experts" not in p:
+        return 0.0
+    s = p["shared_experts"]
+    y = (np_silu(x @ s["gate_proj"]["kernel"]) * (x @ s["up_proj"]["kernel"])) @ s["down_proj"]["kernel"]
+    if "shared_expert_gate" in p:
+        y = y * np_sigmoid(x @ p["shared_expert_gate"]["kernel"])
+    return y
+
+
+def np_moe(params, x_in, cfg, keep=None):
+    """y [B, T, D]: for each token, the sum over its (kept) slots of weight * expert(token), plus shared experts."""
+    p = np64(params)
+    x, _, weights, experts = np_routing(p, x_in, cfg)
+    gated = cfg.activation == "swiglu"
+    y = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for s in range(experts.shape[1]):
+            if keep is None or keep[i, s]:
+                y[i] += weights[i, s] * np_expert(p, x[i], experts[i, s], gated)
+    return (y + np_shared(p, x)).reshape(np.shape(x_in))
+
+
+def np_keep(params, x_in, cfg, groups):
+    """The assignments the drop policy keeps, per dispatch group of B / groups whole sequences (capacity from
+    Megatron's formula over the group's tokens; position priority = position in the sequence, then sequence)."""
+    p = np64(params)
+    _, _, weights, experts = np_routing(p, x_in, cfg)
+    b, t = np.shape(x_in)[:2]
+    bg, n, k = b // groups, b // groups * t, cfg.moe_router_topk
+    capacity = router.expert_capacity(n, cfg.num_experts, k, cfg.moe_expert_capacity_factor)
+    keep = np.zeros(experts.shape, bool)
+    for g in range(groups):
+        sl = slice(g * n, (g + 1) * n)
+        i = np.arange(n)
+        priority = (i % t) * bg + i // t
+        keep[sl] = np_capacity_keep(weights[sl], experts[sl], capacity, cfg.moe_token_drop_policy, priority)
+    return keep
+
+
+# ---- the dense pure-JAX reference (every expert on every token, masked) ----
+
+def dense_reference(p, x, cfg, aux_coeff, z_coeff):
+    """(y [B, T, D], aux loss + z-loss) for softmax routing, top-k then softmax, dropless."""
+    xf = x.reshape(-1, D)
+    k = cfg.moe_router_topk
+    logits = jnp.dot(xf, p["router"]["kernel"], precision=lax.Precision.HIGHEST)
+    top, idx = lax.top_k(logits, k)
+    w = jax.nn.softmax(top, axis=-1)
+    combine = sum(jax.nn.one_hot(idx[:, s], E) * w[:, s:s + 1] for s in range(k))  # [N, E]
+    ex = p["experts"]
+    y = jnp.zeros_like(xf)
+    for e in range(E):
+        h = jax.nn.silu(xf @ ex["gate_proj"]["kernel"][e]) * (xf @ ex["up_proj"]["kernel"][e])
+        y = y + combine[:, e:e + 1] * (h @ ex["down_proj"]["kernel"][e])
+    if "shared_experts" in p:
+        s = p["shared_experts"]
+        shared = (jax.nn.silu(xf @ s["gate_proj"]["kernel"]) * (xf @ s["up_proj"]["kernel"])) @ s["down_proj"]["kernel"]
+        y = y + shared * jax.nn.sigmoid(xf @ p["shared_expert_gate"]["kernel"])
+    probs = jax.nn.softmax(logits, axis=-1)
+    loads = lax.stop_gradient(sum(jax.nn.one_hot(lax.top_k(probs, k)[1][:, s], E) for s in range(k)))  # [N, E]
+    aux = 0.0
+    groups = x.shape[0] // 2  # aux_loss per 2-sequence group, averaged over the groups
+    for g in range(groups):
+        sl = slice(g * 2 * x.shape[1], (g + 1) * 2 * x.shape[1])
+        f = loads[sl].sum(0) / (loads[sl].shape[0] * k)
+        aux = aux + E * aux_coeff * jnp.sum(f * probs[sl].mean(0)) / groups
+    z = z_coeff * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return y.reshape(x.shape), aux + z
+
+
+# ---- forward ----
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5),
+    dict(moe_router_score_function="sigmoid", moe_router_topk=3),
+    dict(moe_router_topk=1, moe_router_pre_softmax=True),
+    dict(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True),
+    dict(moe_shared_expert_intermediate_size=24),
+    dict(activation="gelu"),
+], ids=["softmax", "pre_softmax_scaled", "sigmoid_top3", "top1", "shared_gated", "shared", "gelu"])
+def test_dropless_forward_matches_per_token_loop(kw):
+    cfg = make_cfg(**kw)
+    m = make_moe(cfg)
+    x = inputs()
+    y, stats = m(x)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
+    _, _, _, experts = np_routing(np64(params_of(m)), x, cfg)
+    np.testing.assert_array_equal(stats["tokens_per_expert"], np.bincount(experts.ravel(), minlength=E))
+    np.testing.assert_array_equal(stats["kept_tokens_per_expert"], stats["tokens_per_expert"])
+    assert int(stats["dropped_assignments"]) == 0
+
+
+def test_group_limited_routing_layer():
+    cfg = make_cfg(num_experts=8, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                   moe_router_pre_softmax=True)
+    m = MoE(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
+    x = inputs(4)
+    y, _ = m(x)
+    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
+
+
+def test_stats_pieces():
+    cfg = make_cfg(moe_router_score_function="sigmoid")
+    m = make_moe(cfg)
+    x = inputs()
+    _, stats = m(x)
+    _, logits, _, _ = np_routing(np64(params_of(m)), x, cfg)
+    s = np_sigmoid(logits)
+    probs = s / s.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1, kind="stable")[:, :2]
+    counts = np.zeros_like(probs)
+    np.put_along_axis(counts, top, 1.0, -1)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(stats["router_probs_sum"], probs.reshape(B, T, E).sum(1), **TOL)
+    np.testing.assert_array_equal(stats["router_topk_count"], counts.reshape(B, T, E).sum(1))
+    np.testing.assert_allclose(stats["router_z_sum"], (lse ** 2).reshape(B, T).sum(1), **TOL)
+    assert stats["router_topk_count"].dtype == jnp.int32 and stats["tokens_per_expert"].shape == (E,)
+
+
+def test_bf16_forward():
+    cfg = make_cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+    m = make_moe(cfg, dtype=jnp.bfloat16)
+    x = inputs().astype(jnp.bfloat16)
+    y, _ = m(x)
+    assert y.dtype == jnp.bfloat16
+    want = np_moe(params_of(m), np.asarray(x.astype(jnp.float32)), cfg)  # the router sees the same bf16 inputs
+    # bf16 operands and outputs (8 mantissa bits) through two GEMMs: errors of a few 2^-8 of the output scale
+    err = np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max()
+    assert err < 3e-2, err
+
+
+def test_an_expert_without_tokens_and_all_tokens_on_one_expert():
+    x = jnp.abs(inputs())  # positive inputs: the signs of the router columns decide
+    cfg = make_cfg()
+    m = make_moe(cfg)
+    kernel = np.asarray(m.router.kernel[...]).copy()
+    kernel[:, 3] = -1.0  # expert 3 never wins
+    m.router.kernel[...] = jnp.asarray(kernel)
+    y, stats = m(x)
+    assert int(stats["tokens_per_expert"][3]) == 0
+    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
+    grads = _grads(m, x, cfg)
+    np.testing.assert_array_equal(grads[0]["experts"]["up_proj"]["kernel"][3], 0.0)
+    _assert_grads_match(grads, _reference_grads(m, x, cfg))
+
+    top1 = make_cfg(moe_router_topk=1, moe_router_pre_softmax=True)
+    m1 = make_moe(top1)
+    kernel = -np.ones((D, E), np.float32)
+    kernel[:, 1] = 1.0  # every token routes to expert 1
+    m1.router.kernel[...] = jnp.asarray(kernel)
+    y1, stats1 = m1(x)
+    np.testing.assert_array_equal(stats1["tokens_per_expert"], [0, B * T, 0, 0])
+    np.testing.assert_allclose(y1, np_moe(params_of(m1), x, top1), **TOL)
+
+
+# ---- gradients ----
+
+AUX, Z = 0.05, 0.01
+
+
+def _loss_parts(y, cot):
+    return jnp.sum(y.astype(jnp.float32) * cot)
+
+
+def _grads(m, x, cfg):
+    graphdef, state = nnx.split(m)
+    cot = inputs(9)
+
+    def loss(state, x):
+        y, stats = nnx.merge(graphdef, state)(x)
+        aux = router.aux_loss(stats, topk=cfg.moe_router_topk, coeff=AUX, sequences_per_group=2)
+        return _loss_parts(y, cot) + aux + router.z_loss(stats, topk=cfg.moe_router_topk, coeff=Z)
+
+    g_state, g_x = jax.grad(loss, argnums=(0, 1))(state, x)
+    return nnx.to_pure_dict(g_state), g_x
+
+
+def _reference_grads(m, x, cfg):
+    cot = inputs(9)
+
+    def loss(p, x):
+        y, extra = dense_reference(p, x, cfg, AUX, Z)
+        return _loss_parts(y, cot) + extra
+
+    return jax.grad(loss, argnums=(0, 1))(params_of(m), x)
+
+
+def _assert_grads_match(got, want):
+    (g_params, g_x), (w_params, w_x) = got, want
+    # both float32, same math in another order: measured differences below 1e-6 of the largest gradient entry
+    np.testing.assert_allclose(g_x, w_x, rtol=1e-4, atol=1e-5)
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(g_params)[0])
+    flat_want = dict(jax.tree_util.tree_flatten_with_path(w_params)[0])
+    assert flat_got.keys() == flat_want.keys()
+    for path, value in flat_want.items():
+        scale = max(float(np.abs(value).max()), 1e-3)
+        np.testing.assert_allclose(flat_got[path], value, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+
+
+def test_gradients_match_dense_reference():
+    cfg = make_cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+    m = make_moe(cfg)
+    x = inputs()
+    got = _grads(m, x, cfg)
+    assert float(np.abs(got[0]["router"]["kernel"]).max()) > 0
+    _assert_grads_match(got, _reference_grads(m, x, cfg))
+
+
+def test_selective_remat_keeps_gradients():
+    cfg = make_cfg()
+    m = make_moe(cfg)
+    graphdef, state = nnx.split(m)
+    x = inputs()
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0] ** 2)
+
+    policy = jax.checkpoint_policies.save_only_these_names("moe_up", "moe_down", "moe_router_logits")
+    plain = jax.grad(loss)(state, x)
+    remat = jax.grad(jax.checkpoint(loss, policy=policy))(state, x)
+    # the recomputed forward runs in another fusion: differences of a few 1e-6 relative were measured
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5 * float(np.abs(b).max())),
+                 plain, remat)
+    jaxpr = str(jax.make_jaxpr(loss)(state, x))
+    for name in ("moe_router_logits", "moe_dispatch", "moe_up", "moe_hidden", "moe_down", "moe_out"):
+        assert f"name={name}" in jaxpr, name
+
+
+# ---- dispatch groups ----
+
+def _with_groups(monkeypatch, groups, m, x):
+    monkeypatch.setattr(moe_module, "shards", lambda name: groups if name == "batch" else 1)
+    return m(x)
+
+
+def test_dropless_result_does_not_depend_on_dispatch_groups(monkeypatch):
+    cfg = make_cfg(moe_shared_expert_intermediate_size=24)
+    m = make_moe(cfg)
+    x = inputs()
+    y1, s1 = _with_groups(monkeypatch, 1, m, x)
+    for groups in (2, 4):
+        yg, sg = _with_groups(monkeypatch, groups, m, x)
+        np.testing.assert_allclose(yg, y1, rtol=1e-6, atol=1e-6)  # same rows, other GEMM batching
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), sg, s1)
+    y3, _ = _with_groups(monkeypatch, 3, m, x)  # 4 sequences do not split in 3: one group, same result
+    np.testing.assert_allclose(y3, y1, rtol=1e-6, atol=1e-6)
+
+
+def test_dispatch_groups_under_a_mesh():
+    cfg = make_cfg()
+    m = make_moe(cfg)
+    x = inputs(shape=(8, T, D))
+    graphdef, state = nnx.split(m)
+    run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    y1, _ = run(state, x)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
+    rules = {"batch": ("data",), "mlp": ("tensor",), "embed": (), "act_embed": (), "seq": (), "experts": ()}
+    with logical_sharding(mesh, rules):
+        y4, _ = run(state, x)
+    np.testing.assert_allclose(y4, y1, rtol=1e-6, atol=1e-6)
+
+
+# ---- capacity ----
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_capacity_mode_matches_oracle_with_drops(monkeypatch, policy, pad, groups):
+    cfg = make_cfg(moe_expert_capacity_factor=0.75, moe_token_drop_policy=policy,
+                   moe_pad_expert_input_to_capacity=pad, moe_shared_expert_intermediate_size=24)
+    m = make_moe(cfg, seed=5)
+    x = inputs(6)
+    y, stats = _with_groups(monkeypatch, groups, m, x)
+    keep = np_keep(params_of(m), x, cfg, groups)
+    assert not keep.all()  # the capacity drops something
+    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg, keep=keep), **TOL)
+    assert int(stats["dropped_assignments"]) == int((~keep).sum())
+    _, _, _, experts = np_routing(np64(params_of(m)), x, cfg)
+    np.testing.assert_array_equal(stats["kept_tokens_per_expert"], np.bincount(experts[keep], minlength=E))
+    np.testing.assert_array_equal(stats["tokens_per_expert"], np.bincount(experts.ravel(), minlength=E))
+
+
+def test_capacity_with_batch_not_divisible_by_shards(monkeypatch):
+    m = make_moe(make_cfg(moe_expert_capacity_factor=1.0))
+    with pytest.raises(ValueError, match="--moe_expert_capacity_factor"):
+        _with_groups(monkeypatch, 3, m, inputs())
+
+
+def test_pad_to_capacity_plan_computes_capacity_rows_per_expert():
+    n, k, capacity = 12, 2, 5
+    experts = jnp.asarray(np.random.default_rng(3).integers(0, E, size=(n, k)), jnp.int32)
+    experts = experts.at[:, 1].set((experts[:, 0] + 1) % E)  # distinct experts per token
+    weights = jnp.asarray(np.random.default_rng(4).random((n, k)), jnp.float32)
+    padded = plan_dispatch(experts, weights, num_experts=E, capacity=capacity, pad_to_capacity=True)
+    assert padded.row_token.shape == (E * capacity,)
+    np.testing.assert_array_equal(padded.group_sizes, [capacity] * E)
+    kept = np.minimum(np.bincount(np.asarray(experts).ravel(), minlength=E), capacity)
+    np.testing.assert_array_equal(np.asarray(padded.row_valid).reshape(E, capacity).sum(1), kept)
+    plain = plan_dispatch(experts, weights, num_experts=E, capacity=capacity)
+    np.testing.assert_array_equal(plain.group_sizes, kept)
+    np.testing.assert_array_equal(padded.keep, plain.keep)
+
+
+# ---- parameters, options and errors ----
+
+def test_parameter_tree():
+    cfg = make_cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
+                   moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    m = make_moe(cfg)
+    state = nnx.state(m, nnx.Param)
+    shapes = jax.tree.map(lambda v: v.shape, nnx.to_pure_dict(state))
+    axes = nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state,
+                                         is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    assert shapes["router"] == {"kernel": (D, E), "expert_bias": (E,)}
+    assert axes["router"] == {"kernel": ("embed", None), "expert_bias": (None,)}
+    for name, shape, ax in [("gate_proj", (E, D, F), ("experts", "embed", "mlp")),
+                            ("up_proj", (E, D, F), ("experts", "embed", "mlp")),
+                            ("down_proj", (E, F, D), ("experts", "mlp", "embed"))]:
+        assert shapes["experts"][name] == {"kernel": shape} and axes["experts"][name] == {"kernel": ax}
+    assert shapes["shared_experts"]["up_proj"]["kernel"] == (D, 24)
+    assert shapes["shared_expert_gate"] == {"kernel": (D, 1)}
+    assert m.router.expert_bias[...].dtype == jnp.float32
+    gelu = nnx.to_pure_dict(nnx.state(make_moe(make_cfg(activation="gelu")), nnx.Param))
+    assert set(gelu["experts"]) == {"up_proj", "down_proj"} and set(gelu) == {"router", "experts"}
+
+
+def test_initialisation_scales():
+    cfg = make_cfg(num_experts=8, moe_ffn_hidden_size=64, hidden_size=32, num_layers=8, init_method_std=0.02)
+    p = params_of(MoE(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    # 16k samples per kernel: the sample std is within 2% of the true one; 10% is a loose bound
+    np.testing.assert_allclose(np.std(p["experts"]["up_proj"]["kernel"]), 0.02, rtol=0.1)
+    np.testing.assert_allclose(np.std(p["experts"]["down_proj"]["kernel"]), 0.02 / np.sqrt(16), rtol=0.1)
+
+
+def test_expert_bias_routes_but_gets_no_gradient():
+    cfg = make_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    m = make_moe(cfg)
+    x = inputs()
+    _, stats = m(x)
+    m.router.expert_bias[...] = jnp.array([2.0, 0.0, 0.0, 0.0])  # sigmoid scores are < 1: expert 0 always wins
+    y, biased = m(x)
+    assert int(biased["tokens_per_expert"][0]) == B * T != int(stats["tokens_per_expert"][0])
+    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
+    graphdef, state = nnx.split(m)
+    g = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)[0] ** 2))(state)
+    np.testing.assert_array_equal(g["router"]["expert_bias"][...], 0.0)
+
+
+def test_fp64_router():
+    cfg = make_cfg(moe_router_dtype="fp64")
+    if not jax.config.jax_enable_x64:
+        with pytest.raises(ValueError, match="--moe_router_dtype=fp64"):
+            make_moe(cfg)
+    with enable_x64():
+        m = make_moe(cfg)
+        x = inputs()
+        y, stats = m(x)
+        assert stats["router_probs_sum"].dtype == jnp.float64 and y.dtype == jnp.float32
+        np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
+
+
+def test_force_load_balancing_needs_a_key():
+    cfg = make_cfg(moe_router_force_load_balancing=True)
+    m = make_moe(cfg)
+    x = inputs(shape=(8, 64, D))
+    with pytest.raises(ValueError, match="--moe_router_force_load_balancing"):
+        m(x)
+    _, a = m(x, key=jax.random.key(0))
+    _, b = m(x, key=jax.random.key(1))
+    assert int(a["tokens_per_expert"].sum()) == 8 * 64 * 2
+    assert (np.asarray(a["tokens_per_expert"]) != np.asarray(b["tokens_per_expert"])).any()
+
+
+@pytest.mark.parametrize("kw,flag", [
+    (dict(moe_router_enable_expert_bias=True), "--moe_router_score_function=sigmoid"),
+    (dict(moe_shared_expert_gate=True), "--moe_shared_expert_intermediate_size"),
+    (dict(moe_pad_expert_input_to_capacity=True), "--moe_expert_capacity_factor"),
+    (dict(moe_token_drop_policy="random", moe_expert_capacity_factor=1.0), "--moe_token_drop_policy"),
+    (dict(moe_router_topk=5), "--moe_router_topk"),
+    (dict(add_bias_linear=True), "--add_bias_linear"),
+])
+def test_bad_options_name_the_flag(kw, flag):
+    with pytest.raises(ValueError, match=flag):
+        make_moe(make_cfg(**kw))
+
+
+def test_precision_policy_is_rejected():
+    with pytest.raises(ValueError, match="--fp8_recipe"):
+        MoE(make_cfg(), dtype=jnp.float32, param_dtype=jnp.float32, quant=object(), rngs=nnx.Rngs(0))
+
