@@ -3,7 +3,11 @@ against a float64 NumPy oracle for y, dx and dw; the tile schedule against a dir
 Triton lowering of every kernel for an H200; the dispatch and its capability table."""
 
 import functools
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -279,3 +283,32 @@ def test_default_tiling_takes_the_widest_blocks_that_divide():
     assert (t.forward.block_n, t.dgrad.block_k, t.wgrad.block_n) == (128, 64, 128)
     assert default_tiling(jnp.float32, 2048, 768).forward.block_k == 32
     assert default_tiling(jnp.bfloat16, 2048, 1000) is None
+
+
+# ---- the benchmark (benchmarks/bench_grouped_matmul.py) ----
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
+    """The script end to end off GPU (tiny shapes, kernels interpreted; a subprocess, as its absl flags are global):
+    the table, the sweep, --check, the JSON and the row distributions it times."""
+    out = tmp_path / "gmm.json"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_grouped_matmul.py", "--smoke", "--check",
+                           "--min_time_s=0.001", "--dists=balanced,skewed,empty", "--tilings=16x16x16w4s3",
+                           f"--json_out={out}"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "check: all PASS" in proc.stdout
+    report = json.loads(out.read_text())
+    assert {r["impl"] for r in report["main"]} == {"dense jnp.dot (ceiling)", "pallas", "ragged_dot"}
+    assert all(r["ok"] for r in report["check"])
+    assert {r["dist"] for r in report["check"]} == {"balanced", "skewed", "empty", "padded"}
+    assert set(report["best_tiles"]["4x40x64x32"]) == {"forward", "dgrad", "wgrad"}
+    for shape, dists in report["group_sizes"].items():
+        groups, rows = (int(v) for v in shape.split("x")[:2])
+        total = groups * rows
+        balanced, skewed, empty, padded = (np.asarray(dists[d]) for d in ("balanced", "skewed", "empty", "padded"))
+        assert balanced.tolist() == [rows] * groups
+        assert skewed.sum() == empty.sum() == total and skewed[0] == total // 2 and np.ptp(skewed[1:]) <= 1
+        assert empty[0] == empty[-1] == 0 and np.all(empty[::4] == 0) and np.ptp(empty[empty > 0]) <= 1
+        assert padded.sum() == total - total // 8

@@ -100,24 +100,27 @@ def default_tiling(dtype, k: int, n: int) -> Tiling | None:
     return Tiling(forward, dgrad, KernelTile(bm, bn, depths[0], num_warps=4, num_stages=4))
 
 
-def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
-    """None if every kernel of `tiling` can run x [M, K] . w [G, K, N] in `dtype`, else the reason in words."""
+def kernel_tile_problem(kernel: str, tile: KernelTile, dtype, k: int, n: int) -> str | None:
+    """None if `tile` fits kernel ("forward", "dgrad" or "wgrad") of x [M, K] . w [G, K, N] in `dtype`, else the
+    reason in words."""
+    # The tile's (block_m, block_n, block_k) run over: forward (M, N, K), dgrad (M, K, N), wgrad (K, N, M_g).
+    dims = {"forward": (None, ("N", n), ("K", k)), "dgrad": (None, ("K", k), ("N", n)),
+            "wgrad": (("K", k), ("N", n), None)}[kernel]
+    for field, dim in zip(("block_m", "block_n", "block_k"), dims):
+        block = getattr(tile, field)
+        if dim is not None and dim[1] % block:
+            return f"the {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
     itemsize = jnp.dtype(dtype).itemsize
-    # (kernel, tile, output columns, depth): rows are M (any) for forward/dgrad; wgrad's rows are K.
-    gemms = (("forward", tiling.forward, ("N", n), ("K", k)), ("dgrad", tiling.dgrad, ("K", k), ("N", n)))
-    for kernel, tile, (cols_name, cols), (depth_name, depth) in gemms:
-        if cols % tile.block_n:
-            return f"the {kernel} kernel needs {cols_name}={cols} to be a multiple of block_n={tile.block_n}"
-        if depth % tile.block_k:
-            return f"the {kernel} kernel needs {depth_name}={depth} to be a multiple of block_k={tile.block_k}"
-    if k % tiling.wgrad.block_m:
-        return f"the wgrad kernel needs K={k} to be a multiple of block_m={tiling.wgrad.block_m}"
-    if n % tiling.wgrad.block_n:
-        return f"the wgrad kernel needs N={n} to be a multiple of block_n={tiling.wgrad.block_n}"
+    if tile.shared_bytes(itemsize) > SHARED_MEMORY_BYTES:
+        return (f"the {kernel} tile {tile} needs {tile.shared_bytes(itemsize) // 1024} KiB of shared memory for "
+                f"{jnp.dtype(dtype).name} (at most {SHARED_MEMORY_BYTES // 1024}); use fewer stages or smaller blocks")
+    return None
+
+
+def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
+    """None if every kernel of `tiling` can run x [M, K] . w [G, K, N] in `dtype`, else the first reason."""
     for kernel in ("forward", "dgrad", "wgrad"):
-        tile = getattr(tiling, kernel)
-        if tile.shared_bytes(itemsize) > SHARED_MEMORY_BYTES:
-            return (f"the {kernel} tile {tile} needs {tile.shared_bytes(itemsize) // 1024} KiB of shared memory "
-                    f"for {jnp.dtype(dtype).name} (at most {SHARED_MEMORY_BYTES // 1024}); use fewer stages or "
-                    "smaller blocks")
+        reason = kernel_tile_problem(kernel, getattr(tiling, kernel), dtype, k, n)
+        if reason:
+            return reason
     return None

@@ -1,0 +1,306 @@
+"""Grouped matmul (the MoE expert GEMM) on the GPU: the Pallas kernels against lax.ragged_dot and against a dense
+GEMM of equal FLOPs ([G * rows, K] . [K, N] with jnp.dot: the ceiling), measured in the same run, forward and
+forward + backward, for balanced, skewed (one group holds half the rows) and empty-group (first, every fourth and
+last group empty) distributions of the rows. One table (TFLOP/s and fraction of the dense GEMM) and JSON.
+
+    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --check --json_out=gmm.json
+    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --nomain --tilings=128x128x64w4s4,128x256x64w8s3
+
+--tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
+--check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
+plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
+Shapes are GROUPSxROWSxNxK: rows per group on average, x [G * rows, K], w [G, K, N].
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from mjax.xla_flags import apply_defaults  # noqa: E402
+
+apply_defaults()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mjax.kernels.grouped_matmul import KernelTile, grouped_matmul, resolve_tiling  # noqa: E402
+from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
+from mjax.kernels.grouped_matmul.tiling import kernel_tile_problem  # noqa: E402
+from mjax.train.benchmark import time_fn  # noqa: E402
+
+SHAPES = "8x4096x768x2048,16x2048x768x2048,128x512x768x2048,8x4096x14336x4096"
+flags.DEFINE_string("shapes", SHAPES, "GROUPSxROWSxNxK, comma-separated.")
+flags.DEFINE_list("dists", ["balanced", "skewed", "empty"], "Row distributions over the groups: balanced, skewed, "
+                  "empty, padded (balanced over 7/8 of the rows, the rest padding).")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
+flags.DEFINE_bool("main", True, "Time pallas, ragged_dot and the dense GEMM, forward and forward + backward.")
+flags.DEFINE_bool("ragged_dot", True, "Include lax.ragged_dot in the main table (a dense expansion on the GPU).")
+flags.DEFINE_string("tilings", "", "Comma-separated KernelTiles (BMxBNxBKwWARPSsSTAGES[gGROUP]) to time each kernel "
+                    "with; prints the best per shape.")
+flags.DEFINE_bool("check", False, "Compare pallas with ragged_dot and per-group jnp.dot (max abs error / max |ref|).")
+flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
+flags.DEFINE_string("json_out", "", "Write every row as JSON here (rewritten after each shape).")
+flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU.")
+FLAGS = flags.FLAGS
+
+# Max |pallas - reference| / max |reference| allowed by --check: both accumulate in f32 and round once to the
+# output dtype, so elements differ by about one ulp of that dtype (bf16: 2^-7 relative); twice that. float32: the
+# references may multiply in TF32 (XLA's default precision on the GPU; the kernels use full f32), ~2^-11 per term.
+CHECK_TOLERANCE = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 2.0**-9}
+
+
+def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
+    """int32 [G] summing to G * rows (padded: to 7/8 of it)."""
+    total = groups * rows
+
+    def spread(count, over):  # `count` rows as evenly as possible over the groups marked in `over`
+        sizes = np.zeros(groups, np.int64)
+        idx = np.flatnonzero(over)
+        sizes[idx] = count // len(idx)
+        sizes[idx[: count % len(idx)]] += 1
+        return sizes
+
+    if dist == "balanced":
+        return np.full(groups, rows, np.int32)
+    if dist == "skewed":  # one group with half the rows, the rest split evenly
+        sizes = spread(total - total // 2, np.arange(groups) > 0)
+        sizes[0] = total // 2
+        return sizes.astype(np.int32)
+    if dist == "empty":  # the first, every fourth and the last group empty
+        full = (np.arange(groups) % 4 != 0) & (np.arange(groups) != groups - 1)
+        return spread(total, full if full.any() else np.arange(groups) == 0).astype(np.int32)
+    if dist == "padded":
+        return spread(total - total // 8, np.ones(groups, bool)).astype(np.int32)
+    raise ValueError(f"--dists: unknown distribution {dist!r} (balanced, skewed, empty, padded)")
+
+
+def operands(groups, rows, n, k, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    m = groups * rows
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) * k**-0.5).astype(dtype)
+    dy = jax.random.normal(keys[2], (m, n), dtype)
+    return x, w, dy
+
+
+def fwd_and_bwd(fn):
+    """jit'ed forward, and forward + backward returning (y, dx, dw), of fn(x, w, group_sizes)."""
+    def both(x, w, gs, dy):
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, gs), x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(fn), jax.jit(both)
+
+
+def per_group_dot(x, w, sizes):
+    """The reference for --check with host-known sizes: one f32-accumulated jnp.dot per group, zeros for padding."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    parts = [jnp.dot(x[s:e], w[g], preferred_element_type=jnp.float32) for g, (s, e) in
+             enumerate(zip(starts[:-1], starts[1:])) if e > s]
+    parts.append(jnp.zeros((x.shape[0] - starts[-1], w.shape[2]), jnp.float32))
+    return jnp.concatenate(parts).astype(x.dtype)
+
+
+def tflops(flop, seconds):
+    return flop / seconds / 1e12
+
+
+def time_or_error(fn, *args):
+    try:
+        return time_fn(fn, *args, min_s=FLAGS.min_time_s), None
+    except Exception as e:  # noqa: BLE001  (one failing case, e.g. out of memory, must not end the table)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def main_rows(shape, dists, dense):
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    impls = [("pallas", "pallas")] + ([("ragged_dot", "xla")] if FLAGS.ragged_dot else [])
+    rows = []
+    for name, impl in impls:  # one compile per implementation: the group sizes are run-time values
+        fwd, both = fwd_and_bwd(lambda x, w, gs, impl=impl: grouped_matmul(x, w, gs, impl=impl))
+        for dist in dists:
+            sizes = group_sizes(dist, g, r)
+            gs = jnp.asarray(sizes)
+            flop = 2 * int(sizes.sum()) * k * n
+            t_fwd, err_fwd = time_or_error(fwd, x, w, gs)
+            t_both, err_both = time_or_error(both, x, w, gs, dy)
+            row = {"shape": list(shape), "dist": dist, "impl": name, "error": err_fwd or err_both}
+            for mode, t, mult in (("fwd", t_fwd, 1), ("fwd_bwd", t_both, 3)):
+                if t is not None:
+                    row[f"{mode}_ms"] = t * 1e3
+                    row[f"{mode}_tflops"] = tflops(mult * flop, t)
+                    row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+def dense_row(shape):
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    w0 = w[0]  # [K, N], its own operand: a gradient into w[0] of [G, K, N] would add a memset of all of w
+    fwd, both = fwd_and_bwd(lambda x, w0, gs: jnp.dot(x, w0))
+    flop = 2 * g * r * k * n
+    t_fwd = time_fn(fwd, x, w0, None, min_s=FLAGS.min_time_s)
+    t_both = time_fn(both, x, w0, None, dy, min_s=FLAGS.min_time_s)
+    row = {"shape": list(shape), "dist": "-", "impl": "dense jnp.dot (ceiling)", "error": None,
+           "fwd_ms": t_fwd * 1e3, "fwd_tflops": tflops(flop, t_fwd), "fwd_of_dense": 1.0,
+           "fwd_bwd_ms": t_both * 1e3, "fwd_bwd_tflops": tflops(3 * flop, t_both), "fwd_bwd_of_dense": 1.0}
+    print_row(row)
+    return row
+
+
+HEADER = (f"{'shape GxRxNxK':22} {'dist':9} {'impl':24} {'fwd ms':>8} {'TFLOP/s':>8} {'of dense':>8} "
+          f"{'f+b ms':>8} {'TFLOP/s':>8} {'of dense':>8}")
+
+
+def print_row(row):
+    shape = "x".join(map(str, row["shape"]))
+    cells = []
+    for mode in ("fwd", "fwd_bwd"):
+        if f"{mode}_ms" in row:
+            cells.append(f"{row[f'{mode}_ms']:8.3f} {row[f'{mode}_tflops']:8.1f} {row[f'{mode}_of_dense']:8.3f}")
+        else:
+            cells.append(f"{'-':>8} {'-':>8} {'-':>8}")
+    tail = f"  {row['error']}" if row.get("error") else ""
+    print(f"{shape:22} {row['dist']:9} {row['impl']:24} {cells[0]} {cells[1]}{tail}", flush=True)
+
+
+def sweep_rows(shape, dists, tiles, dense):
+    """Each kernel alone with each tile; the best tile per kernel over the distributions (mean TFLOP/s)."""
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    interpret = jax.default_backend() != "gpu"
+    calls = {"forward": lambda t: (jax.jit(lambda x, w, gs: kernels.forward(x, w, gs, tile=t, interpret=interpret)),
+                                   (x, w)),
+             "dgrad": lambda t: (jax.jit(lambda dy, w, gs: kernels.dgrad(dy, w, gs, tile=t, interpret=interpret)),
+                                 (dy, w)),
+             "wgrad": lambda t: (jax.jit(lambda x, dy, gs: kernels.wgrad(x, dy, gs, tile=t, interpret=interpret)),
+                                 (x, dy))}
+    rows, best = [], {}
+    for kernel, make in calls.items():
+        scores = {}
+        for tile in tiles:
+            problem = kernel_tile_problem(kernel, tile, dtype, k, n)
+            if problem:
+                print(f"  {kernel:8} {str(tile):18} skipped: {problem}", flush=True)
+                continue
+            fn, args = make(tile)
+            for dist in dists:
+                sizes = group_sizes(dist, g, r)
+                t, err = time_or_error(fn, *args, jnp.asarray(sizes))
+                row = {"shape": list(shape), "dist": dist, "kernel": kernel, "tile": str(tile), "error": err}
+                if t is not None:
+                    row.update(ms=t * 1e3, tflops=tflops(2 * int(sizes.sum()) * k * n, t))
+                    row["of_dense"] = row["tflops"] / dense["fwd_tflops"]
+                    scores.setdefault(str(tile), []).append(row["tflops"])
+                rows.append(row)
+                print(f"  {kernel:8} {str(tile):18} {dist:9} " + (f"{row['ms']:8.3f} ms {row['tflops']:7.1f} "
+                      f"TFLOP/s {row['of_dense']:6.3f} of dense" if t is not None else err), flush=True)
+        full = {tile: np.mean(v) for tile, v in scores.items() if len(v) == len(dists)}
+        if full:
+            best[kernel] = max(full, key=full.get)
+            print(f"  best {kernel} for {'x'.join(map(str, shape))}: {best[kernel]} ({full[best[kernel]]:.1f} "
+                  f"TFLOP/s mean over {', '.join(dists)})", flush=True)
+    if len(best) == 3:
+        print(f"best tiling for {'x'.join(map(str, shape))}: Tiling(forward=KernelTile.parse('{best['forward']}'), "
+              f"dgrad=KernelTile.parse('{best['dgrad']}'), wgrad=KernelTile.parse('{best['wgrad']}'))", flush=True)
+    return rows, best
+
+
+def check_rows(shape, dists):
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype, seed=1)
+    _, pallas_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))
+    _, ragged_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla"))
+    tol = CHECK_TOLERANCE[FLAGS.dtype]
+    rows = []
+    for dist in dict.fromkeys([*dists, "padded"]):
+        sizes = group_sizes(dist, g, r)
+        gs = jnp.asarray(sizes)
+        got = [np.asarray(a, np.float32) for a in pallas_both(x, w, gs, dy)]
+        _, per_group_both = fwd_and_bwd(lambda x, w, gs, sizes=sizes: per_group_dot(x, w, sizes))
+        refs = {"per-group jnp.dot": per_group_both}
+        if FLAGS.ragged_dot:
+            refs["ragged_dot"] = ragged_both
+        for ref_name, ref in refs.items():
+            row = {"shape": list(shape), "dist": dist, "reference": ref_name}
+            try:
+                want = [np.asarray(a, np.float32) for a in ref(x, w, gs, dy)]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} could not run: "
+                      f"{row['error']}", flush=True)
+                rows.append(row)
+                continue
+            for name, a, b in zip(("y", "dx", "dw"), got, want):
+                row[name] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+            total = int(sizes.sum())
+            row["padding_zero"] = bool(np.all(got[0][total:] == 0) and np.all(got[1][total:] == 0))
+            row["ok"] = bool(all(row[name] <= tol for name in ("y", "dx", "dw")) and row["padding_zero"])
+            rows.append(row)
+            print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} max err / max |ref|: y "
+                  f"{row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} (tolerance {tol:.1e}); padding rows zero: "
+                  f"{row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}", flush=True)
+    return rows
+
+
+def parse_shapes(text):
+    shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+    if not shapes or any(len(s) != 4 for s in shapes):
+        raise app.UsageError(f"--shapes={text!r}: expected GROUPSxROWSxNxK[,...]")
+    return shapes
+
+
+def main(_):
+    shapes = [(4, 40, 64, 32), (3, 24, 32, 64)] if FLAGS.smoke else parse_shapes(FLAGS.shapes)
+    for dist in FLAGS.dists:
+        group_sizes(dist, 8, 16)  # unknown names fail before anything is compiled
+    tiles = [KernelTile.parse(t) for t in FLAGS.tilings.split(",") if t]
+    if FLAGS.smoke:
+        tiles = tiles or [KernelTile(16, 16, 16), KernelTile(32, 32, 16)]
+    dtype = jnp.dtype(FLAGS.dtype)
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": FLAGS.dtype,
+              "main": [], "sweep": [], "best_tiles": {}, "check": [], "default_tiling": {}, "group_sizes": {}}
+    print(f"{report['device']}, jax {jax.__version__}, {FLAGS.dtype}; TFLOP/s count 2*sum(group_sizes)*K*N per "
+          "GEMM (forward + backward: 3 GEMMs); 'of dense' divides by the dense GEMM's rate in this run", flush=True)
+    failed = False
+    for shape in shapes:
+        g, r, n, k = shape
+        tiling = resolve_tiling(None, dtype, k, n)
+        report["default_tiling"]["x".join(map(str, shape))] = str(tiling)
+        report["group_sizes"]["x".join(map(str, shape))] = {d: group_sizes(d, g, r).tolist()
+                                                             for d in dict.fromkeys([*FLAGS.dists, "padded"])}
+        print(f"\n{'x'.join(map(str, shape))}: default {tiling}\n{HEADER}", flush=True)
+        dense = dense_row(shape)
+        report["main"].append(dense)
+        if FLAGS.main:
+            report["main"] += main_rows(shape, FLAGS.dists, dense)
+        if tiles:
+            rows, best = sweep_rows(shape, FLAGS.dists, tiles, dense)
+            report["sweep"] += rows
+            report["best_tiles"]["x".join(map(str, shape))] = best
+        if FLAGS.check:
+            rows = check_rows(shape, FLAGS.dists)
+            report["check"] += rows
+            failed |= any(not row.get("ok", False) for row in rows if "error" not in row)
+        if FLAGS.json_out:
+            with open(FLAGS.json_out, "w") as f:
+                json.dump(report, f, indent=1)
+    if FLAGS.check:
+        print("\ncheck: " + ("FAILED" if failed else "all PASS"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    app.run(main)
