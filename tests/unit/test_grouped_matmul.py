@@ -17,7 +17,7 @@ import pytest
 from mjax.kernels.grouped_matmul import (IMPLS, GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
                                          grouped_matmul, why_unsupported)
 from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas
-from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles, swizzle
 from mjax.kernels.grouped_matmul.tiling import default_tiling
 from tests.gpu_lowering import lower_for_h200
 
@@ -156,8 +156,6 @@ def test_a_block_of_tiny_groups_is_visited_once_per_group():
 
 @pytest.mark.parametrize("n_rows,n_cols,group", [(7, 3, 2), (8, 5, 8), (5, 4, 8), (1, 6, 3)])
 def test_swizzle_visits_every_tile_once(n_rows, n_cols, group):
-    from mjax.kernels.grouped_matmul.schedule import swizzle  # noqa: PLC0415
-
     pids = jnp.arange(n_rows * n_cols, dtype=jnp.int32)
     rows, cols = (np.asarray(a) for a in jax.vmap(lambda p: swizzle(p, n_rows, n_cols, group))(pids))
     assert sorted(zip(rows.tolist(), cols.tolist())) == [(i, j) for i in range(n_rows) for j in range(n_cols)]
@@ -183,9 +181,9 @@ def test_vmap_over_a_batch_equals_each_item(impl):
             np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
 
 
-def _fwd_bwd(tiling, interpret=False):
+def _fwd_bwd(tiling):
     def f(x, w, gs, dy):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul_pallas(x, w, gs, tiling, interpret), x, w)
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul_pallas(x, w, gs, tiling, False), x, w)
         return y, *vjp(dy)
     return f
 
