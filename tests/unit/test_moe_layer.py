@@ -32,6 +32,12 @@ def make_moe(cfg, seed=0, dtype=jnp.float32):
     return MoE(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
 
 
+def call(m, x, key=None):
+    """m(x, key=key) compiled as one program (much faster than op-by-op on CPU)."""
+    graphdef, state = nnx.split(m)
+    return jax.jit(lambda state, x, key: nnx.merge(graphdef, state)(x, key=key))(state, x, key)
+
+
 def params_of(m):
     return nnx.to_pure_dict(nnx.state(m, nnx.Param))
 
@@ -172,7 +178,7 @@ def test_dropless_forward_matches_per_token_loop(kw):
     cfg = make_cfg(**kw)
     m = make_moe(cfg)
     x = inputs()
-    y, stats = m(x)
+    y, stats = call(m, x)
     assert y.shape == x.shape and y.dtype == jnp.float32
     np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
     _, _, _, experts = np_routing(np64(params_of(m)), x, cfg)
@@ -186,7 +192,7 @@ def test_group_limited_routing_layer():
                    moe_router_pre_softmax=True)
     m = MoE(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
     x = inputs(4)
-    y, _ = m(x)
+    y, _ = call(m, x)
     np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
 
 
@@ -194,7 +200,7 @@ def test_stats_pieces():
     cfg = make_cfg(moe_router_score_function="sigmoid")
     m = make_moe(cfg)
     x = inputs()
-    _, stats = m(x)
+    _, stats = call(m, x)
     _, logits, _, _ = np_routing(np64(params_of(m)), x, cfg)
     s = np_sigmoid(logits)
     probs = s / s.sum(-1, keepdims=True)
@@ -212,7 +218,7 @@ def test_bf16_forward():
     cfg = make_cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
     m = make_moe(cfg, dtype=jnp.bfloat16)
     x = inputs().astype(jnp.bfloat16)
-    y, _ = m(x)
+    y, _ = call(m, x)
     assert y.dtype == jnp.bfloat16
     want = np_moe(params_of(m), np.asarray(x.astype(jnp.float32)), cfg)  # the router sees the same bf16 inputs
     # bf16 operands and outputs (8 mantissa bits) through two GEMMs: errors of a few 2^-8 of the output scale
@@ -227,7 +233,7 @@ def test_an_expert_without_tokens_and_all_tokens_on_one_expert():
     kernel = np.asarray(m.router.kernel[...]).copy()
     kernel[:, 3] = -1.0  # expert 3 never wins
     m.router.kernel[...] = jnp.asarray(kernel)
-    y, stats = m(x)
+    y, stats = call(m, x)
     assert int(stats["tokens_per_expert"][3]) == 0
     np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
     grads = _grads(m, x, cfg)
@@ -239,7 +245,7 @@ def test_an_expert_without_tokens_and_all_tokens_on_one_expert():
     kernel = -np.ones((D, E), np.float32)
     kernel[:, 1] = 1.0  # every token routes to expert 1
     m1.router.kernel[...] = jnp.asarray(kernel)
-    y1, stats1 = m1(x)
+    y1, stats1 = call(m1, x)
     np.testing.assert_array_equal(stats1["tokens_per_expert"], [0, B * T, 0, 0])
     np.testing.assert_allclose(y1, np_moe(params_of(m1), x, top1), **TOL)
 
@@ -262,7 +268,7 @@ def _grads(m, x, cfg):
         aux = router.aux_loss(stats, topk=cfg.moe_router_topk, coeff=AUX, sequences_per_group=2)
         return _loss_parts(y, cot) + aux + router.z_loss(stats, topk=cfg.moe_router_topk, coeff=Z)
 
-    g_state, g_x = jax.grad(loss, argnums=(0, 1))(state, x)
+    g_state, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, x)
     return nnx.to_pure_dict(g_state), g_x
 
 
@@ -273,7 +279,7 @@ def _reference_grads(m, x, cfg):
         y, extra = dense_reference(p, x, cfg, AUX, Z)
         return _loss_parts(y, cot) + extra
 
-    return jax.grad(loss, argnums=(0, 1))(params_of(m), x)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(params_of(m), x)
 
 
 def _assert_grads_match(got, want):
@@ -307,8 +313,8 @@ def test_selective_remat_keeps_gradients():
         return jnp.sum(nnx.merge(graphdef, state)(x)[0] ** 2)
 
     policy = jax.checkpoint_policies.save_only_these_names("moe_up", "moe_down", "moe_router_logits")
-    plain = jax.grad(loss)(state, x)
-    remat = jax.grad(jax.checkpoint(loss, policy=policy))(state, x)
+    plain = jax.jit(jax.grad(loss))(state, x)
+    remat = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy)))(state, x)
     # the recomputed forward runs in another fusion: differences of a few 1e-6 relative were measured
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5 * float(np.abs(b).max())),
                  plain, remat)
@@ -321,7 +327,7 @@ def test_selective_remat_keeps_gradients():
 
 def _with_groups(monkeypatch, groups, m, x):
     monkeypatch.setattr(moe_module, "shards", lambda name: groups if name == "batch" else 1)
-    return m(x)
+    return call(m, x)
 
 
 def test_dropless_result_does_not_depend_on_dispatch_groups(monkeypatch):
@@ -427,13 +433,13 @@ def test_expert_bias_routes_but_gets_no_gradient():
     cfg = make_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     m = make_moe(cfg)
     x = inputs()
-    _, stats = m(x)
+    _, stats = call(m, x)
     m.router.expert_bias[...] = jnp.array([2.0, 0.0, 0.0, 0.0])  # sigmoid scores are < 1: expert 0 always wins
-    y, biased = m(x)
+    y, biased = call(m, x)
     assert int(biased["tokens_per_expert"][0]) == B * T != int(stats["tokens_per_expert"][0])
     np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
     graphdef, state = nnx.split(m)
-    g = jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)[0] ** 2))(state)
+    g = jax.jit(jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)[0] ** 2)))(state)
     np.testing.assert_array_equal(g["router"]["expert_bias"][...], 0.0)
 
 
@@ -445,7 +451,7 @@ def test_fp64_router():
     with enable_x64():
         m = make_moe(cfg)
         x = inputs()
-        y, stats = m(x)
+        y, stats = call(m, x)
         assert stats["router_probs_sum"].dtype == jnp.float64 and y.dtype == jnp.float32
         np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)
 
@@ -455,9 +461,9 @@ def test_force_load_balancing_needs_a_key():
     m = make_moe(cfg)
     x = inputs(shape=(8, 64, D))
     with pytest.raises(ValueError, match="--moe_router_force_load_balancing"):
-        m(x)
-    _, a = m(x, key=jax.random.key(0))
-    _, b = m(x, key=jax.random.key(1))
+        call(m, x)
+    _, a = call(m, x, key=jax.random.key(0))
+    _, b = call(m, x, key=jax.random.key(1))
     assert int(a["tokens_per_expert"].sum()) == 8 * 64 * 2
     assert (np.asarray(a["tokens_per_expert"]) != np.asarray(b["tokens_per_expert"])).any()
 

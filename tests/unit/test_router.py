@@ -1,5 +1,6 @@
 """The MoE router's pure functions against NumPy float64 oracles written from Megatron-LM's published formulas."""
 
+import functools
 import math
 
 import jax
@@ -195,6 +196,7 @@ def test_router_dtype():
 
 # ---- load-balancing losses ----
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _stats(logits, b, topk, score_function):
     """The per-sequence pieces of MoE stats from logits [B*T, E]."""
     probs, topk_map = router.aux_loss_scores(logits, topk=topk, score_function=score_function)
