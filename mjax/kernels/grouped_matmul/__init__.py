@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 IMPLS = ("auto", "pallas", "xla")
 FLAG = "--moe_grouped_gemm_impl"
-MAX_ELEMENTS = 2**31 - 1  # Pallas-Triton computes element offsets in int32
+# Pallas-Triton computes element offsets in int32. Checked per call; under jax.vmap a batched operand is indexed as
+# one array, so B times an operand must stay below this too (the call itself sees one item's shapes).
+MAX_ELEMENTS = 2**31 - 1
 
 
 class GroupedMatmulUnsupported(ValueError):
