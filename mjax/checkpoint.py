@@ -117,6 +117,28 @@ def _model_diff(saved_cfg: dict | None, cfg) -> str:
     return f" It was saved with {', '.join(diffs)}." if diffs else ""
 
 
+# Differences from the saved config a resumed run reports: everything but what a continuation changes on purpose.
+_EXPECTED_CHANGES = {"checkpoint", "logging", "train.train_iters", "parallel"}
+
+
+def _log_changed_settings(saved_cfg: dict | None, cfg, where: str) -> None:
+    """A notice listing every setting that differs from the one the checkpoint recorded (data path, tokenizer,
+    learning rate, ...): resuming with another value is allowed, never silent."""
+    if not saved_cfg:
+        return
+    ours, changes = cfg.to_dict(), []
+    for section, fields in saved_cfg.items():
+        if section in _EXPECTED_CHANGES or section == "model" or not isinstance(fields, dict):
+            continue
+        for k, v in fields.items():
+            now = ours.get(section, {}).get(k, v)
+            if f"{section}.{k}" not in _EXPECTED_CHANGES and now != (tuple(v) if isinstance(v, list) else v):
+                changes.append(f"--{section}.{k}: {v!r} -> {now!r}")
+    if changes:
+        log.warning("resuming %s with settings that differ from the ones it was saved with: %s", where,
+                    "; ".join(changes))
+
+
 def pick_step(steps: list[int], requested: int | None, directory, error=ValueError) -> int:
     """The step to read from a directory holding sorted `steps`: the latest, or the one --ckpt_step names."""
     step = steps[-1] if requested is None else requested
@@ -126,13 +148,14 @@ def pick_step(steps: list[int], requested: int | None, directory, error=ValueErr
 
 
 class Checkpointer:
-    """The training loop's checkpoint hook: `restore_or_init()`, then `start()`, `after_step()` every step, and
-    `close()` at the end (it waits for the last async save)."""
+    """The training loop's checkpoint hook: `restore_or_init()`, then `after_step()` every step, and `close()` at
+    the end (it waits for the last async save). `signals` (a StopSignals the caller has entered) says when a
+    SIGTERM/SIGINT asks to save and stop."""
 
-    def __init__(self, cfg, setup):
+    def __init__(self, cfg, setup, signals=None):
         self.cfg, self.setup, c = cfg, setup, cfg.checkpoint
         self._mngr = _manager(c.save, save=True, async_save=c.async_save, keep=c.keep) if c.save else None
-        self._signals = StopSignals()
+        self._signals = signals or StopSignals()
         self._last_saved = None
         self.stopped_at = None  # the step a stop signal ended training at
         self.save_call_s: list[float] = []  # time each save() call held the loop
@@ -161,6 +184,11 @@ class Checkpointer:
             return self.setup.init_state(self.cfg.train.seed), 0
         if c.load_params_only:
             return self._init_from_params(c.load), 0
+        from mjax.convert import orbax_io  # noqa: PLC0415
+
+        if not same and orbax_io.is_mjax_checkpoint(c.load):
+            raise CheckpointError(f"--load={c.load} is a converted (params-only) checkpoint with no optimizer state or "
+                                  "step: add --load_params_only to start training from its weights")
         mngr = self._mngr if same else _manager(c.load)
         steps = sorted(mngr.all_steps())
         if not steps:
@@ -192,6 +220,7 @@ class Checkpointer:
         except Exception as e:  # Orbax raises many types; all mean the same to the user
             raise CheckpointError(f"cannot read {where}: {_cause(e)}") from e
         hint = _model_diff(saved["config"], self.cfg)
+        _log_changed_settings(saved["config"], self.cfg, where)
         for item, wanted in (("params", params_t), ("train_state", rest_t)):
             if meta[item] is None:
                 item_dir = os.path.join(_abspath(directory), str(step), item)
@@ -240,10 +269,6 @@ class Checkpointer:
 
     # ---- save ----
 
-    def start(self) -> None:
-        """Call before the first step: SIGTERM/SIGINT now stop training with a checkpoint."""
-        self._signals.__enter__()
-
     def after_step(self, step: int, state: TrainState, consumed_samples: int) -> bool:
         """Periodic and final saves; True when a stop signal asks the loop to end after this step (then the
         checkpoint of this step is complete on disk before this returns)."""
@@ -287,8 +312,7 @@ class Checkpointer:
             self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        """Restores the signal handlers and waits for the last save to finish."""
-        self._signals.__exit__()
+        """Waits for the last save to finish."""
         if self._mngr is not None:
             self._mngr.wait_until_finished()
             self._mngr.close()

@@ -19,7 +19,7 @@ import sys
 from absl import app, flags
 
 from mjax.config import ConfigError
-from mjax.config_flags import config_from_flags, define_config_flags
+from mjax.config.flags import config_from_flags, define_config_flags
 from mjax.logging_setup import setup_logging
 from mjax.xla_flags import apply_defaults
 
@@ -81,7 +81,7 @@ def apply_case(cfg, case: dict):
     """(config with the case's field values, XLA options of the case or None)."""
     import typing  # noqa: PLC0415
 
-    from mjax.config_flags import _parse  # noqa: PLC0415
+    from mjax.config.flags import _parse  # noqa: PLC0415
 
     index, overrides = _field_index(), {}
     case = dict(case)

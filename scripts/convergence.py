@@ -16,7 +16,7 @@ import sys
 from absl import app, flags
 
 from mjax.config import ConfigError
-from mjax.config_flags import config_from_flags, define_config_flags
+from mjax.config.flags import config_from_flags, define_config_flags
 from mjax.logging_setup import setup_logging
 from mjax.xla_flags import apply_defaults
 
@@ -67,20 +67,18 @@ def main(argv):
         if base.checkpoint.save or base.checkpoint.load:  # a later recipe would resume an earlier one's run
             raise ConfigError("--save / --load: each recipe trains from the same fresh init here; drop them")
         base = base.replace(logging=dict(progress=False, log_interval=1))  # one loss per step in the history
-        import jax  # noqa: PLC0415
-
         from mjax.train.loop import train  # noqa: PLC0415
 
         curves, evals = {}, {}
         for name in FLAGS.recipes:
             cfg = RECIPES[name](base)
-            cfg.validate(jax.device_count())
             result = train(cfg)
             losses = [float(r["loss"]) for r in result.history]
             if len(losses) < FLAGS.window:
                 raise ConfigError(f"--train_iters={len(losses)} is shorter than one --window={FLAGS.window}")
             curves[name] = windows(losses, FLAGS.window)
-            evals[name] = float(result.eval_history[-1]["eval_loss"]) if result.eval_history else None
+            held_out = [r["eval_loss"] for r in result.eval_history if r["split"] == "valid"]
+            evals[name] = float(held_out[-1]) if held_out else None
             log.info("%s: %s", name, " ".join(f"{v:.3f}" for v in curves[name]))
     except ConfigError as e:
         log.error("configuration error: %s", e)

@@ -4,7 +4,8 @@ import pytest
 from absl import flags
 
 from mjax.config import Config, ConfigError, from_dict, load_config, preset_names
-from mjax.config_flags import config_from_flags, define_config_flags
+from mjax.config.flags import config_from_flags, define_config_flags
+from mjax.parallel.layout import validate_layout
 
 TINY = load_config("tiny")
 
@@ -17,10 +18,10 @@ def test_every_preset_loads_and_validates():
     for name in names:
         cfg = load_config(name)
         if cfg.model.num_experts is None:
-            cfg.validate(1)
+            validate_layout(cfg, 1)
         else:  # the MoE presets load; training them waits for the MoE layers, and says so before tracing
             with pytest.raises(ConfigError, match="MoE layers are not implemented yet"):
-                cfg.validate(1)
+                validate_layout(cfg, 1)
     assert load_config("llama3.2-1b").model.num_query_groups == 8  # dotted names resolve to the same files
     assert load_config("mixtral-8x7b").model.num_experts == 8
 
@@ -58,11 +59,11 @@ def test_unknown_preset_lists_the_known_ones():
 ])
 def test_validation_errors_name_the_flag(overrides, devices, message):
     with pytest.raises(ConfigError, match=message):
-        TINY.replace(**overrides).validate(devices)
+        validate_layout(TINY.replace(**overrides), devices)
 
 
 def test_kv_heads_fewer_than_tp_are_allowed_when_they_divide_it():
-    TINY.replace(parallel=dict(tp=4)).validate(8)  # 2 KV heads replicated over tp=4
+    validate_layout(TINY.replace(parallel=dict(tp=4)), 8)  # 2 KV heads replicated over tp=4
 
 
 def test_dict_round_trip_and_unknown_fields():

@@ -32,7 +32,7 @@ def same(a, b):
 
 
 def test_sample_corpus_batches(cache):
-    train, valid = build_data_iterators(config(cache))
+    train, evals = build_data_iterators(config(cache))
     b = take(train, 1)[0]
     assert {k: (v.shape, v.dtype.name) for k, v in b.items()} == {
         "inputs": ((8, 32), "int32"), "targets": ((8, 32), "int32"), "loss_mask": ((8, 32), "float32"),
@@ -40,7 +40,7 @@ def test_sample_corpus_batches(cache):
     assert np.array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
     assert b["inputs"].max() < 1024 and (b["segment_ids"] == 1).all() and (b["loss_mask"] == 1).all()
     assert (b["positions"] == np.arange(32)).all()
-    assert valid is not None
+    assert set(evals) == {"valid", "test"}
 
 
 def test_document_options(cache):
@@ -96,22 +96,22 @@ def test_prefetch_runs_ahead_and_matches_on_demand(cache):
 
 
 def test_valid_iterator_is_eval_iters_batches_the_same_each_time(cache):
-    train, valid = build_data_iterators(config(cache))
-    with train, valid() as first, valid() as second:
+    train, evals = build_data_iterators(config(cache))
+    with train, evals["valid"]() as first, evals["valid"]() as second:
         a, b = list(first), list(second)
         assert len(a) == 3 and same(a, b)
         assert not np.array_equal(a[0]["inputs"], next(train)["inputs"])
-    assert build_data_iterators(config(cache, split="100,0,0"))[1] is None
+    assert build_data_iterators(config(cache, split="100,0,0"))[1] == {}
 
 
 def test_mock_data(cache):
     cfg = config(cache, mock_data=True).replace(model=dict(vocab_size=50))
-    train, valid = build_data_iterators(cfg)
+    train, evals = build_data_iterators(cfg)
     batches = take(train, 3)
     assert batches[0]["inputs"].shape == (8, 32) and batches[0]["inputs"].max() < 50
     assert same(batches, take(build_data_iterators(cfg)[0], 3))
     assert same(batches[1:], take(build_data_iterators(cfg, consumed_samples=8)[0], 2))
-    assert len(list(valid())) == 3
+    assert len(list(evals["valid"]())) == 3
 
 
 def write(path, docs, dtype=np.uint16):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mjax.parallel.layout import validate_layout
 from mjax.config import ConfigError
 from mjax.model import build_model
 from mjax.train.optimizer import lr_schedule, make_optimizer
@@ -46,17 +47,17 @@ def _cfg(model=None, **precision):
 ])
 def test_config_errors(precision, match):
     with pytest.raises(ConfigError, match=match):
-        _cfg(**precision).validate(1)
+        validate_layout(_cfg(**precision), 1)
 
 
 def test_blockwise_config_names_the_sizes():
     cfg = _cfg(fp8_recipe="blockwise").replace(model=dict(ffn_hidden_size=192), train=dict(seq_length=24))
     with pytest.raises(ConfigError, match=r"--ffn_hidden_size=192.*tokens per micro-batch.*=192"):
-        cfg.validate(1)
+        validate_layout(cfg, 1)
     head = _cfg(fp8_recipe="blockwise", quantize_output_layer=True).replace(model=dict(vocab_size=150))
     with pytest.raises(ConfigError, match=r"the padded vocab.*=192"):
-        head.replace(model=dict(make_vocab_size_divisible_by=64)).validate(1)
-    head.validate(1)  # padded to 256
+        validate_layout(head.replace(model=dict(make_vocab_size_divisible_by=64)), 1)
+    validate_layout(head, 1)  # padded to 256
 
 
 @pytest.mark.parametrize("untied", [False, True])
@@ -115,7 +116,8 @@ def runs():
         cfg = _cfg(**precision)
         model = build_model(cfg.model, cfg.precision)
         params = model.init(jax.random.key(0)) if params is None else params  # quantization adds no parameters
-        tx, schedule = make_optimizer(cfg.optimizer, STEPS), lr_schedule(cfg.optimizer, STEPS)
+        schedule = lr_schedule(cfg.optimizer, STEPS)
+        tx = make_optimizer(cfg.optimizer, schedule)
         state = TrainState.create(params, tx, jax.random.key(1), cfg.precision, model.init_fp8())
         step = jax.jit(make_train_step(model, cfg, tx, schedule))
         data, losses = pattern_batches(cfg), []

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from mjax.parallel.layout import validate_layout
 from mjax.checkpoint import Checkpointer
 from mjax.config import ConfigError
 from mjax.model import logical_sharding
@@ -193,7 +194,7 @@ def test_interleaved_chunks_hold_megatrons_layers(pp, vpp):
     (dict(pp=3), {}, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
     (dict(pp=2, vpp=4, pipeline_schedule="interleaved"), {}, "not divisible by --pp=2 x --vpp=4"),
     (dict(pp=2, decoder_last_pipeline_num_layers=1), {}, "decoder_last_pipeline_num_layers.*not supported"),
-    (dict(pp=2, vpp=2), {}, "--vpp=2 needs --pipeline_schedule=interleaved"),
+    (dict(pp=2, vpp=2, pipeline_schedule="1f1b"), {}, "--vpp=2 needs the interleaved schedule"),
     (dict(pp=2, pipeline_schedule="interleaved"), {}, "interleaved needs --vpp >= 2"),
     (dict(vpp=2, pipeline_schedule="interleaved"), {}, "--vpp=2 needs --pp > 1"),
     (dict(pp=2, pipeline_schedule="zb"), {}, "--pipeline_schedule='zb' is not one of"),
@@ -204,7 +205,7 @@ def test_pipeline_config_errors(parallel, sections, message):
     devices = 6 if parallel.get("pp") == 3 else 8
     cfg = tiny_config(model=dict(num_layers=4), parallel=parallel)
     with pytest.raises(ConfigError, match=message):
-        cfg.replace(**sections).validate(devices)
+        validate_layout(cfg.replace(**sections), devices)
 
 
 def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_device):
@@ -229,8 +230,8 @@ def test_train_loop_logs_the_counted_bubble():
 
     cfg = _config(dict(pp=2, pipeline_schedule="1f1b"), 2).replace(
         train=dict(train_iters=2), data=dict(mock_data=True), logging=dict(log_interval=1, progress=False))
-    from mjax.config_validation import resolve_batch  # noqa: PLC0415
+    from mjax.parallel.layout import resolve_batch  # noqa: PLC0415
 
-    micro = resolve_batch(cfg, jax.device_count())[2]
+    micro = resolve_batch(cfg, jax.device_count()).micro_batches
     record = train(cfg).history[-1]
     assert record["pipeline_bubble"] == pytest.approx(pipeline.bubble_fraction("1f1b", 2, 1, micro), abs=1e-6)

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mjax.parallel.layout import validate_layout
 from mjax.kernels.qkv_rope_grad import qkv_rope_grad, qkv_rope_grad_local
 from mjax.model.rope import rope_cos_sin, split_qkv, split_rotate
 from tests.gpu_lowering import lower_for_h200
@@ -132,8 +133,8 @@ def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
 
     cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", kv_channels=96))
     with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs half the head dim"):
-        cfg.validate(1)
-    cfg.replace(model=dict(kv_channels=128)).validate(1)
+        validate_layout(cfg, 1)
+    validate_layout(cfg.replace(model=dict(kv_channels=128)), 1)
 
 
 @pytest.mark.parametrize("change", [dict(model=dict(position_embedding_type="learned")),
@@ -144,11 +145,11 @@ def test_pallas_where_the_layer_would_not_run_the_kernel_is_a_config_error(chang
     from mjax.config import ConfigError, load_config  # noqa: PLC0415
 
     cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", num_attention_heads=4, num_query_groups=2))
-    cfg.validate(8)
+    validate_layout(cfg, 8)
     bad = cfg.replace(**change)
     with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection"):
-        bad.validate(8)
-    bad.replace(model=dict(qkv_grad_impl="auto")).validate(8)
+        validate_layout(bad, 8)
+    validate_layout(bad.replace(model=dict(qkv_grad_impl="auto")), 8)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_when_it_tiles_the_head_dim(monkeypatch):

@@ -32,7 +32,7 @@ def test_train_script_runs_a_parallel_layout_and_writes_metrics(tmp_path):
 def test_default_run_trains_on_the_bundled_corpus(tmp_path):
     out = _train("--train_iters=2", "--log_interval=1", "--eval_interval=2", f"--data_cache_path={tmp_path}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "eval loss" in out.stderr and "step      2" in out.stderr
+    assert "valid loss" in out.stderr and "test loss" in out.stderr and "step      2" in out.stderr
 
 
 def test_config_errors_exit_2_with_the_flag_named():

@@ -9,7 +9,7 @@ def tiny_config(**sections):
     base = load_config("tiny").replace(
         model=dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                    vocab_size=128),
-        train=dict(train_iters=4, global_batch_size=16, seq_length=32),
+        train=dict(train_iters=4, global_batch_size=16, seq_length=32, eval_interval=0),
         optimizer=dict(lr=1e-2, lr_warmup_iters=0, lr_decay_style="constant", min_lr=0.0),
         logging=dict(log_interval=1, progress=False))
     return base.replace(**sections)

@@ -59,6 +59,7 @@ class BlendedDataset:
 
     def __init__(self, datasets, weights, names=None, block: int = BLOCK):
         self.datasets, self.block = datasets, block
+        self.names = list(names) if names is not None else [str(i) for i in range(len(datasets))]
         self.counts = block_counts(weights, block)  # [num_datasets]
         for c, w, name in zip(self.counts, weights, names or range(len(datasets))):
             if w > 0 and c == 0:

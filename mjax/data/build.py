@@ -1,5 +1,8 @@
 """From a `Config` to the train iterator and the validation-iterator factory the training loop consumes."""
 
+import logging
+from pathlib import Path
+
 import numpy as np
 
 from mjax.config import Config, ConfigError
@@ -10,6 +13,7 @@ from mjax.data.loader import DataIterator, MockDataset, batch_fn_for
 from mjax.data.preprocess import sample_corpus_prefix
 from mjax.data.tokenizer import Tokenizer, build_tokenizer
 
+log = logging.getLogger("mjax")
 _CHECKED_TOKENS = 1 << 20  # tokens at the start of each dataset checked against the tokenizer's vocab
 
 
@@ -41,7 +45,8 @@ def _check_sources(d) -> None:
 
 def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None,
                    splits=("train", "valid")) -> dict[str, object | None]:
-    """{split name: a dataset indexable by global sample number, or None when `--split` gives it nothing}."""
+    """{split name: a dataset indexable by global sample number, or None when `--split` gives it nothing}; a
+    blend's split is a BlendedDataset whose `datasets` and `names` give its parts."""
     d, t = cfg.data, cfg.train
     _check_sources(d)
     if d.mock_data:
@@ -65,10 +70,15 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None,
         parts = [GPTDataset(ix, split_ranges(fractions, len(ix))[s], t.seq_length, t.seed, s, k)
                  for k, ix in enumerate(indexed)]
         split_weights = weights or [p.num_tokens / max(sum(q.num_tokens for q in parts), 1) for p in parts]
-        for p, w in zip(parts, split_weights):
-            if w > 0 and p.samples_per_epoch == 0:
-                raise DataError(f"the {name} split of {p.indexed.prefix} holds {p.num_tokens} tokens, fewer than "
-                                f"--seq_length + 1 = {t.seq_length + 1}; change --split={d.split} or --seq_length")
+        short = [p for p, w in zip(parts, split_weights) if w > 0 and p.samples_per_epoch == 0]
+        if short and name == "test":  # only evaluated at the end, if it can be: a tiny test split is no error
+            log.warning("the test split of %s holds %d tokens, fewer than --seq_length + 1 = %d: it is not evaluated",
+                        short[0].indexed.prefix, short[0].num_tokens, t.seq_length + 1)
+            out[name] = None
+            continue
+        if short:
+            raise DataError(f"the {name} split of {short[0].indexed.prefix} holds {short[0].num_tokens} tokens, fewer "
+                            f"than --seq_length + 1 = {t.seq_length + 1}; change --split={d.split} or --seq_length")
         out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, split_weights, prefixes)
     if "train" in out and out["train"] is None:
         raise ConfigError(f"--split={d.split} leaves no training data")
@@ -77,23 +87,31 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer | None = None,
 
 def build_data_iterators(cfg: Config, *, process_index: int = 0, process_count: int = 1,
                          consumed_samples: int = 0):
-    """(train iterator, factory of a fresh `eval_iters`-batch valid iterator, or None without a valid split).
+    """(train iterator, {evaluation split name: factory of a fresh `eval_iters`-batch iterator}).
 
-    Every call of the factory yields the same validation batches (the first `eval_iters` global batches of the valid
-    split), so evaluations at different steps are comparable. Megatron instead continues through the valid split.
+    Evaluation splits: "valid" and "test" when `--split` gives them data (the training loop runs valid* every
+    --eval_interval and test* once at the end, as Megatron), and for a blend also each dataset's own,
+    "valid/<dataset>". Every call of a factory yields the same batches (the split's first `eval_iters` global
+    batches), so evaluations at different steps are comparable; Megatron instead continues through the valid split.
     """
     _check_sources(cfg.data)
     tokenizer = None if cfg.data.mock_data else build_tokenizer(cfg.data)
-    datasets = build_datasets(cfg, tokenizer)
+    datasets = build_datasets(cfg, tokenizer, splits=SPLITS)
     eod = tokenizer.eod_id if tokenizer and cfg.data.eod_mask_loss else None
     kwargs = dict(batch_fn=batch_fn_for(cfg.data, eod), process_index=process_index, process_count=process_count,
                   prefetch=cfg.data.prefetch)
     train = DataIterator(datasets["train"], cfg.train.global_batch_size, consumed_samples=consumed_samples, **kwargs)
-    valid = datasets["valid"]
-    if valid is None:
-        return train, None
 
-    def valid_iterator() -> DataIterator:
-        return DataIterator(valid, cfg.train.global_batch_size, num_batches=cfg.train.eval_iters, **kwargs)
+    def factory(dataset):
+        return lambda: DataIterator(dataset, cfg.train.global_batch_size, num_batches=cfg.train.eval_iters, **kwargs)
 
-    return train, valid_iterator
+    evals = {}
+    for split in SPLITS[1:]:
+        dataset = datasets[split]
+        if dataset is None or not cfg.train.eval_iters:
+            continue
+        evals[split] = factory(dataset)
+        if isinstance(dataset, BlendedDataset):
+            for name, part in zip(dataset.names, dataset.datasets):
+                evals[f"{split}/{Path(name).name}"] = factory(part)
+    return train, evals

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn
 
+from mjax.kernels.options import ATTENTION_IMPLS, ATTN_CORE
+
 log = logging.getLogger(__name__)
 
-IMPLS = ("auto", "xla", "cudnn", "pallas")
-# Remat name of an attention kernel's results (output and softmax statistics): a policy that saves it keeps the
-# backward pass from rerunning the forward kernel. The Pallas kernel names them; cuDNN's are found by primitive,
+IMPLS = ATTENTION_IMPLS
+# ATTN_CORE names an attention kernel's results. The Pallas kernel names them; cuDNN's are found by primitive,
 # taken from JAX itself so that a rename there fails here at import instead of silently recomputing.
-ATTN_CORE = "attn_core"
 _CUDNN_FORWARD = (_cudnn._dot_product_attention_fwd_p, _cudnn._dot_product_attention_fwd_p_wrapper)
 
 
@@ -158,11 +158,25 @@ def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: b
                                + "); set --attention_impl=xla to run the unfused reference on purpose")
 
 
+def check_call(q, k, v, *, sliding_window=None, segment_ids=None) -> None:
+    """The rules every implementation shares (so that all of them accept and refuse the same calls)."""
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if any(not jnp.issubdtype(d, jnp.floating) for d in dtypes) or len(dtypes) > 1:
+        raise AttentionUnsupported(f"attention takes q, k and v of one floating dtype, got {', '.join(map(str, dtypes))}")
+    if q.shape[2] % k.shape[2]:
+        raise AttentionUnsupported(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}")
+    if sliding_window is not None and sliding_window < 1:
+        raise AttentionUnsupported(f"sliding_window={sliding_window}: a window holds at least the query's own "
+                                   "position (>= 1); None means no window")
+    if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and q.shape[1] != k.shape[1]:
+        raise AttentionUnsupported(f"one segment-id array needs equal query and key lengths (got {q.shape[1]} and "
+                                   f"{k.shape[1]}); pass a pair (q_segment_ids, kv_segment_ids)")
+
+
 def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
                           impl="auto", return_lse=False):
     """Dispatches to the implementation `impl` names (or `auto` picks); raises AttentionUnsupported otherwise."""
-    if q.shape[2] % k.shape[2]:
-        raise AttentionUnsupported(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}")
+    check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
                          segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
                          sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1])

@@ -32,11 +32,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from mjax.kernels.options import FP8_CAST
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 FORMATS = {"e4m3": (E4M3, E4M3), "hybrid": (E4M3, E5M2)}  # --fp8_format -> (forward operands, gradients)
 META_X, META_W, META_G = 0, 1, 2  # rows of `meta` and of the observed amaxes
-FP8_CAST = "fp8_cast"  # remat name of a GEMM's quantized operands, scales and amaxes
 
 
 def fp8_max(dtype) -> float:

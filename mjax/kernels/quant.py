@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from mjax.kernels.fp4 import Fp4Spec, fp4_matmul
 from mjax.kernels.fp8 import FP8_CAST, Fp8Spec, fp8_matmul
 from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
+from mjax.kernels.options import FP4_RECIPES, QUANT_IMPLS
 
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
-FP4_RECIPES = ("nvfp4", "mxfp4")
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = QUANT_IMPLS
 META_SIZE = 3  # scales / observed amaxes of (input, weight, output gradient)
 
 

@@ -5,6 +5,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mjax.kernels.options import qkv_kernel_tiles
+
 
 def rope_frequencies(cfg) -> jnp.ndarray:
     """Inverse frequencies [head_dim // 2], scaled per Llama 3.1 when cfg.rope_scaling == 'llama3'."""
@@ -42,12 +44,6 @@ def rotate(x, cos, sin):
     halves = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [B, T, N, 2, H/2]
     out = halves * cos + jnp.flip(halves, axis=-2) * sin
     return out.reshape(x.shape).astype(x.dtype)
-
-
-def qkv_kernel_tiles(head_dim: int) -> bool:
-    """Whether the QKV gradient kernel can tile this head dim: Triton's tiles need half of it a power of two."""
-    half = head_dim // 2
-    return head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
 
 
 def use_qkv_grad_kernel(impl: str, head_dim: int) -> bool:

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mjax.config_validation import resolve_data_parallel
+from mjax.parallel.layout import resolve_data_parallel
 
 AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mjax.config.validate import pipeline_schedule
 from mjax.model.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b
 from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, per_stage_zeros,
@@ -78,7 +79,7 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
     micro-batch from its final hidden states h [B, T, D]. Returns (grads, loss sum, z sum, measured bubble)."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     layers, rest = params["layers"], {k: v for k, v in params.items() if k != "layers"}
-    if pcfg.pipeline_schedule == "1f1b":
+    if pipeline_schedule(pcfg) == "1f1b":
         grads, loss_sum, z_sum, busy = pipeline_1f1b.run(model, token_loss, use_segments, pp, layers, rest, batch,
                                                           weight)
         slots = pipeline_1f1b.num_slots(pp, num)

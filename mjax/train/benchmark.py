@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mjax.train.loop import build, compiled_memory
+from mjax.train.loop import build
+from mjax.train.startup import compiled_memory
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
 
 

@@ -1,4 +1,7 @@
-"""Where metrics go: a console line, JSON lines (--metrics_file), TensorBoard events and a progress bar."""
+"""Where metrics go: a console line, JSON lines (--metrics_file), TensorBoard events and a progress bar.
+
+Only process 0 writes the metrics file, TensorBoard and the progress bar (its console lines come from the logging
+setup, which keeps other processes to warnings and errors), so N processes do not write every step N times."""
 
 import json
 import logging
@@ -7,10 +10,21 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from mjax import logging_setup
+
 log = logging.getLogger("mjax")
 
 CONSOLE_FIELDS = (("loss", "{:.4f}"), ("grad_norm", "{:.3f}"), ("lr", "{:.3e}"), ("step_time_s", "{:.3f}s"),
-                  ("tokens_per_s", "{:,.0f}"), ("tflops_per_device", "{:.1f}"), ("mfu", "{:.1%}"))
+                  ("tokens_per_s", "{:,.0f}"), ("tflops_per_device", "{:.3g}"), ("mfu", "{:.1%}"),
+                  ("peak_memory_bytes", "{}"))
+
+
+def _format(key: str, fmt: str, value) -> str:
+    if key == "peak_memory_bytes":
+        return f"mem {value / 2**30:.2f} GiB"
+    return f"{key} {fmt.format(value)}"
 
 
 class TensorBoard:
@@ -33,54 +47,77 @@ class TensorBoard:
 
 
 class Progress:
-    """One rewritten line on a terminal; silent when stderr is not a terminal."""
+    """One rewritten line at the bottom of a terminal; silent when stderr is not a terminal. While it is shown, the
+    console log handler (mjax.logging_setup) clears it before each log line and redraws it after, so no line is
+    overwritten."""
 
     def __init__(self, total: int, start: int, enabled: bool):
         self.total, self.start, self.t0 = total, start, time.perf_counter()
         self.enabled = enabled and sys.stderr.isatty()
+        self.line = ""
+        if self.enabled:
+            logging_setup.set_status_line(self)
 
-    def update(self, step: int, loss: float | None = None):
+    def update(self, step: int):
         if not self.enabled:
             return
         done = (step - self.start) / max(self.total - self.start, 1)
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (1 - done) if done > 0 else 0.0
         bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-        loss_txt = "" if loss is None else f" loss {loss:.4f}"
-        sys.stderr.write(f"\r[{bar}] {step}/{self.total}{loss_txt} eta {eta:6.0f}s")
+        self.line = f"[{bar}] {step}/{self.total} eta {eta:6.0f}s"
+        self.draw()
+
+    def draw(self):
+        sys.stderr.write("\r\033[2K" + self.line)
+        sys.stderr.flush()
+
+    def clear(self):
+        sys.stderr.write("\r\033[2K")
         sys.stderr.flush()
 
     def close(self):
         if self.enabled:
-            sys.stderr.write("\n")
+            logging_setup.set_status_line(None)
+            self.clear()
 
 
 class MetricsLogger:
-    def __init__(self, cfg, start_step: int):
+    def __init__(self, cfg, start_step: int, writer: bool | None = None):
+        """`writer`: whether this process writes the file, TensorBoard and bar (default: process 0 only)."""
         lc = cfg.logging
+        writer = jax.process_index() == 0 if writer is None else writer
         self.metrics_file = None
-        if lc.metrics_file:
+        if lc.metrics_file and writer:
             Path(lc.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self.metrics_file = open(lc.metrics_file, "a")  # noqa: SIM115  (closed in close())
-        self.tensorboard = TensorBoard(lc.tensorboard_dir) if lc.tensorboard_dir else None
-        self.progress = Progress(cfg.train.train_iters, start_step, lc.progress)
+        self.tensorboard = TensorBoard(lc.tensorboard_dir) if lc.tensorboard_dir and writer else None
+        self.progress = Progress(cfg.train.train_iters, start_step, lc.progress and writer)
 
     def log(self, record: dict):
         parts = [f"step {record['step']:>6}"]
         for key, fmt in CONSOLE_FIELDS:
             value = record.get(key)
             if value is not None:
-                parts.append(f"{key} {fmt.format(value)}")
+                parts.append(_format(key, fmt, value))
         if record.get("skipped_steps"):
             parts.append(f"skipped {record['skipped_steps']}")
-        if self.progress.enabled:
-            sys.stderr.write("\r")
         log.info(" | ".join(parts))
+        self._write(record, record)
+
+    def log_eval(self, record: dict):
+        """An evaluation result {"step", "split", "eval_loss", "eval_ppl"} (split: valid, valid/<dataset>, test)."""
+        log.info("step %6d | %s loss %.4f | %s ppl %.2f", record["step"], record["split"], record["eval_loss"],
+                 record["split"], record["eval_ppl"])
+        self._write(record, {f"{record['split']}/lm_loss": record["eval_loss"],
+                             f"{record['split']}/lm_ppl": record["eval_ppl"]})
+
+    def _write(self, record: dict, scalars: dict):
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
         if self.tensorboard:
-            self.tensorboard.write(record["step"], record)
+            self.tensorboard.write(record["step"], scalars)
 
     def close(self):
         self.progress.close()

@@ -1,22 +1,23 @@
 """The training loop: build the mesh, model and state, run the jitted step, evaluate, log."""
 
+import contextlib
 import dataclasses
 import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mjax.checkpoint import Checkpointer, position_data
-from mjax.config_validation import resolve_batch
 from mjax.model import build_model, logical_sharding
-from mjax.model.functional import count_params
-from mjax.parallel.mesh import describe, make_mesh
-from mjax.parallel.rules import batch_sharding, bytes_per_device, logical_rules, param_shardings, state_shardings
+from mjax.parallel.layout import Batching, describe_batching, validate_layout
+from mjax.parallel.mesh import make_mesh
+from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
 from mjax.train.logger import MetricsLogger
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
 from mjax.train.optimizer import lr_schedule, make_optimizer
+from mjax.train.preemption import StopSignals
+from mjax.train.startup import log_compiled_memory, log_startup
 from mjax.train.state import TrainState
 from mjax.train.step import make_eval_step, make_train_step
 
@@ -31,7 +32,7 @@ class NonFiniteError(RuntimeError):
 class TrainResult:
     state: TrainState
     history: list  # the logged records
-    eval_history: list
+    eval_history: list  # {"step", "split", "eval_loss", "eval_ppl"} per evaluated split
     stopped_at: int | None = None  # the step a SIGTERM/SIGINT ended training at (after saving a checkpoint)
 
 
@@ -40,13 +41,22 @@ class Setup:
     """Everything built from a config before the first step."""
     cfg: object
     mesh: object
+    rules: dict
     model: object
     tx: object
     schedule: object
     state_sharding: object
     batch_sharding: object
-    micro_batches: int
+    batching: Batching
     abstract_state: object
+
+    @property
+    def micro_batches(self) -> int:
+        return self.batching.micro_batches
+
+    def sharding(self):
+        """The logical-sharding context everything of this setup is traced under."""
+        return logical_sharding(self.mesh, self.rules)
 
     def init_state(self, seed: int) -> TrainState:
         key = jax.random.key(seed)
@@ -55,14 +65,13 @@ class Setup:
         def create(k):
             return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision, self.model.init_fp8())
 
-        with logical_sharding(self.mesh, logical_rules(self.cfg)):
+        with self.sharding():
             return jax.jit(create, out_shardings=self.state_sharding)(init_key)
 
     def compile_step(self, state, batch, compiler_options=None):
-        """(the compiled train step with this setup's shardings, state donated; compile seconds). Traced under
-        the logical sharding rules, as everything of this setup must be. `compiler_options`: XLA debug options
-        for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would set them."""
-        with logical_sharding(self.mesh, logical_rules(self.cfg)):
+        """(the compiled train step with this setup's shardings, state donated; compile seconds). `compiler_options`:
+        XLA debug options for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would."""
+        with self.sharding():
             step = jax.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
                            in_shardings=(self.state_sharding, self.batch_sharding),
                            out_shardings=(self.state_sharding, None), donate_argnums=0)
@@ -81,72 +90,25 @@ class Setup:
 
 
 def build(cfg, devices=None) -> Setup:
+    """Validates `cfg` against the devices (the one validation of a run) and builds what training needs."""
     devices = list(jax.devices() if devices is None else devices)
-    cfg.validate(len(devices))
+    batching = validate_layout(cfg, len(devices))
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg)
-    _, _, micro_batches = resolve_batch(cfg, len(devices))
     model = build_model(cfg.model, cfg.precision)
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
-    tx = make_optimizer(cfg.optimizer, cfg.train.train_iters)
+    tx = make_optimizer(cfg.optimizer, schedule)
     abstract_params = model.abstract_params()
     p_sharding = param_shardings(mesh, model.logical_axes(), rules, abstract_params)
     abstract_state = jax.eval_shape(
         lambda p: TrainState.create(p, tx, jax.random.key(0), cfg.precision, model.init_fp8()), abstract_params)
     zero1 = cfg.parallel.use_distributed_optimizer
-    return Setup(cfg, mesh, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding, zero1),
-                 batch_sharding(mesh), micro_batches, abstract_state)
-
-
-def _log_startup(setup: Setup, state, flops):
-    cfg, m = setup.cfg, setup.cfg.model
-    n = count_params(state.params)
-    log.info("model %s: %.3fB parameters, %d layers, hidden %d, heads %d/%d, vocab %d (padded %d)", m.name, n / 1e9,
-             m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.vocab_size,
-             setup.model.vocab_size)
-    log.info("mesh %s over %d %s devices; micro-batches per step %d", describe(setup.mesh), setup.mesh.size,
-             jax.devices()[0].platform, setup.micro_batches)
-    log.info("precision: compute %s, params %s; %.3f TFLOP per step (Megatron formula)",
-             cfg.precision.compute_dtype, cfg.precision.params_dtype, flops / 1e12)
-    a, s = setup.abstract_state, setup.state_sharding
-    params_b = bytes_per_device(a.params, s.params)
-    opt_b = bytes_per_device(a.opt_state, s.opt_state)
-    grads_b = bytes_per_device(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), a.params),
-                               s.params)  # accumulated in fp32 whatever --params_dtype is (train/step.py)
-    log.info("per device: params %s, optimizer state %s, gradients %s (fp32, sharded as params)%s",
-             _gib(params_b), _gib(opt_b), _gib(grads_b),
-             " [ZeRO-1: optimizer state split over data]" if cfg.parallel.use_distributed_optimizer else "")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def compiled_memory(compiled):
-    """XLA's own accounting of a compiled step per device: (memory analysis, arguments + outputs - donated +
-    temporaries in bytes), or None where the backend gives none."""
-    try:
-        m = compiled.memory_analysis()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return None
-    if m is None:
-        return None
-    return m, m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
-def _log_compiled_memory(compiled):
-    """The memory each device will need for the compiled step."""
-    analysis = compiled_memory(compiled)
-    if analysis is None:
-        return
-    m, total = analysis
-    log.info("compiled step memory per device: arguments %s, outputs %s (donated %s), temporaries %s -> "
-             "expected peak about %s", _gib(m.argument_size_in_bytes), _gib(m.output_size_in_bytes),
-             _gib(m.alias_size_in_bytes), _gib(m.temp_size_in_bytes), _gib(total))
+    return Setup(cfg, mesh, rules, model, tx, schedule, state_shardings(mesh, abstract_state, p_sharding, zero1),
+                 batch_sharding(mesh), batching, abstract_state)
 
 
 def evaluate(eval_fn, params, batches, setup, fp8=None) -> float:
-    """Mean token loss over the validation batches (each a whole global batch, no accumulation)."""
+    """Mean token loss over the evaluation batches (each a whole global batch, no accumulation)."""
     sharding = batch_sharding(setup.mesh, ndim=2, leading=False)
     total, count = 0.0, 0.0
     for batch in batches:
@@ -157,38 +119,73 @@ def evaluate(eval_fn, params, batches, setup, fp8=None) -> float:
     return total / max(count, 1.0)
 
 
+def _eval_factories(cfg, evals) -> dict:
+    """{split name: factory of evaluation batches}: `valid*` splits run every --eval_interval, `test*` at the end."""
+    evals = {} if evals is None else evals if isinstance(evals, dict) else {"valid": evals}
+    if cfg.train.eval_interval and not any(name.startswith("valid") for name in evals):
+        from mjax.config import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"--eval_interval={cfg.train.eval_interval} but there is no validation data: "
+                          f"--split={cfg.data.split} gives the validation split nothing (or the data has none); "
+                          "change --split or set --eval_interval=0")
+    return evals
+
+
 def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
-    """Trains for cfg.train.train_iters steps. `data` is (train iterator, valid-batches factory or None)."""
-    setup = build(cfg, devices)
-    ckpt, consumed = Checkpointer(cfg, setup), 0
-    if state is None:
-        state, consumed = ckpt.restore_or_init()
-    if data is None:
-        from mjax.data import build_data_iterators  # noqa: PLC0415
-
-        data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
-                                    consumed_samples=consumed)
-    else:
-        position_data(data[0], consumed)
-    train_iter, valid_batches = data
-    flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
-    _log_startup(setup, state, flops)
-    peak = peak_tflops(override=cfg.logging.peak_tflops)
-    rules = logical_rules(cfg)
-
-    with logical_sharding(setup.mesh, rules):
-        eval_fn = jax.jit(make_eval_step(setup.model, cfg))
-        first = setup.place_batch(next(train_iter))
-        compiled, compile_s = setup.compile_step(state, first)
-        log.info("compiled the train step in %.1fs", compile_s)
-        _log_compiled_memory(compiled)
-
-        logger = MetricsLogger(cfg, int(state.step))
-        history, eval_history = [], []
+    """Trains for cfg.train.train_iters steps. `data` is (train iterator, evaluation batches): a factory of
+    validation batches, a dict {split name: factory} (see `_eval_factories`), or None."""
+    signals = StopSignals()  # from the start: a SIGTERM while building or compiling stops cleanly too
+    with signals:
+        setup = build(cfg, devices)
+        ckpt, consumed = Checkpointer(cfg, setup, signals), 0
+        if state is None:
+            state, consumed = ckpt.restore_or_init()
         start = int(state.step)
-        batch, last_t, last_step = first, time.perf_counter(), start
-        ckpt.start()
+        if start >= cfg.train.train_iters:
+            ckpt.close()
+            log.warning("nothing to train: the checkpoint is at step %d and --train_iters=%d; raise --train_iters "
+                        "to train further", start, cfg.train.train_iters)
+            return TrainResult(state, [], [])
+        if data is None:
+            from mjax.data import build_data_iterators  # noqa: PLC0415
+
+            data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
+                                        consumed_samples=consumed)
+        else:
+            position_data(data[0], consumed)
+        train_iter, evals = data[0], _eval_factories(cfg, data[1])
+        with contextlib.closing(train_iter) if hasattr(train_iter, "close") else contextlib.nullcontext():
+            return _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals)
+
+
+def _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals) -> TrainResult:
+    flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
+    log_startup(setup, state, flops)
+    log.info("%s", describe_batching(cfg, setup.batching))
+    peak = peak_tflops(override=cfg.logging.peak_tflops)
+    logger = MetricsLogger(cfg, start)
+    history, eval_history = [], []
+    with setup.sharding():
+        eval_fn = jax.jit(make_eval_step(setup.model, cfg))
+
+        def run_evals(step, prefix):
+            for name, factory in evals.items():
+                if name.startswith(prefix):
+                    loss = evaluate(eval_fn, state.params, factory(), setup,
+                                    state.fp8.scales if state.fp8 is not None else None)
+                    record = {"step": step, "split": name, "eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 50)))}
+                    eval_history.append(record)
+                    logger.log_eval(record)
+
         try:
+            first = setup.place_batch(next(train_iter))
+            compiled, compile_s = setup.compile_step(state, first)
+            log.info("compiled the train step in %.1fs", compile_s)
+            log_compiled_memory(compiled)
+            if signals.requested(start):
+                log.warning("stopping before step %d on a signal: nothing trained, nothing to save", start + 1)
+                return TrainResult(state, history, eval_history, start)
+            batch, last_t, last_step = first, time.perf_counter(), start
             for step in range(start + 1, cfg.train.train_iters + 1):
                 state, metrics = compiled(state, batch)
                 if step < cfg.train.train_iters:
@@ -203,20 +200,17 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
                     history.append(record)
                     logger.log(record)
                 logger.progress.update(step)
-                if valid_batches is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-                    loss = evaluate(eval_fn, state.params, valid_batches(), setup,
-                                    state.fp8.scales if state.fp8 is not None else None)
-                    eval_history.append({"step": step, "eval_loss": loss})
-                    log.info("step %6d | eval loss %.4f | eval ppl %.2f", step, loss, float(np.exp(min(loss, 50))))
+                if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+                    run_evals(step, "valid")
                     last_t = time.perf_counter()
                 if ckpt.after_step(step, state, consumed + (step - start) * cfg.train.global_batch_size):
-                    break
+                    return TrainResult(state, history, eval_history, step)
+            if cfg.train.eval_interval:  # the test split once, at the end (as Megatron); 0 disables evaluation
+                run_evals(cfg.train.train_iters, "test")
         finally:
             ckpt.close()
             logger.close()
-            if hasattr(train_iter, "close"):
-                train_iter.close()
-    return TrainResult(state, history, eval_history, ckpt.stopped_at)
+    return TrainResult(state, history, eval_history, None)
 
 
 def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, compile_s) -> dict:

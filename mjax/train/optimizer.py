@@ -45,9 +45,9 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in DECAYED_LEAVES, params)
 
 
-def make_optimizer(opt_cfg, train_iters: int) -> optax.GradientTransformation:
-    """AdamW (or SGD) with the schedule; gradient clipping is done by the step, which also reports the norm."""
-    schedule = lr_schedule(opt_cfg, train_iters)
+def make_optimizer(opt_cfg, schedule) -> optax.GradientTransformation:
+    """AdamW (or SGD) with the schedule (`lr_schedule`); gradient clipping is done by the step, which also reports
+    the norm."""
     if opt_cfg.optimizer == "sgd":
         return optax.chain(optax.add_decayed_weights(opt_cfg.weight_decay, decay_mask), optax.sgd(schedule))
     return optax.adamw(schedule, b1=opt_cfg.adam_beta1, b2=opt_cfg.adam_beta2, eps=opt_cfg.adam_eps,

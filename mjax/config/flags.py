@@ -7,7 +7,9 @@ import typing
 
 from absl import flags
 
-from mjax.config import SECTIONS, Config, ConfigError, load_config
+from mjax.config.base import ConfigError
+from mjax.config.load import load_config
+from mjax.config.sections import SECTIONS, Config
 
 FLAGS = flags.FLAGS
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

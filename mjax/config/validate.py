@@ -1,82 +1,46 @@
 """Plain-word checks of a Config, run before anything is traced. Each message names the flag to change."""
 
-from mjax.config import Config, ConfigError
-from mjax.kernels import attention, fp8, quant
-from mjax.model.rope import qkv_kernel_tiles
+import logging
 
-REMAT_NAMES = ("qkv_proj", attention.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden",
-               "mlp_out", "norm", fp8.FP8_CAST)
+from mjax.config.base import ConfigError
+from mjax.config.sections import Config
+from mjax.kernels import options as kernels
+
+REMAT_NAMES = ("qkv_proj", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden", "mlp_out", "norm",
+               kernels.FP8_CAST)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+log = logging.getLogger("mjax")
 
 
-def _choice(value, allowed, flag):
+def choice(value, allowed, flag):
     if value not in allowed:
         raise ConfigError(f"--{flag}={value!r} is not one of: {', '.join(map(str, allowed))}")
 
 
-def _positive(value, flag):
+def positive(value, flag):
     if value is None or value <= 0:
         raise ConfigError(f"--{flag} must be a positive number, got {value}")
-
-
-def resolve_data_parallel(cfg: Config, num_devices: int) -> int:
-    """The `dp` mesh-axis size: explicit, or the devices left after the other axes (dp=-1)."""
-    p = cfg.parallel
-    for name in ("tp", "pp", "vpp", "ep", "cp", "fsdp"):
-        _positive(getattr(p, name), name)
-    others = p.tp * p.pp * p.ep * p.cp * p.fsdp
-    if p.dp == -1:
-        if num_devices % others:
-            raise ConfigError(
-                f"{num_devices} devices cannot be split into tp={p.tp} x pp={p.pp} x ep={p.ep} x cp={p.cp} x "
-                f"fsdp={p.fsdp} (product {others}); change those flags so their product divides {num_devices}")
-        return num_devices // others
-    _positive(p.dp, "dp")
-    if others * p.dp != num_devices:
-        raise ConfigError(
-            f"the mesh tp={p.tp} x pp={p.pp} x ep={p.ep} x cp={p.cp} x fsdp={p.fsdp} x dp={p.dp} = "
-            f"{others * p.dp} devices, but {num_devices} are present; set --dp=-1 to fill them")
-    return p.dp
-
-
-def resolve_batch(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """(batch shards, micro-batch per shard, micro-batches per step) with Megatron's meaning:
-    global_batch_size = micro_batch_size x data-parallel size x number of micro-batches."""
-    t, p = cfg.train, cfg.parallel
-    _positive(t.global_batch_size, "global_batch_size")
-    shards = resolve_data_parallel(cfg, num_devices) * p.fsdp * p.ep
-    if t.global_batch_size % shards:
-        raise ConfigError(
-            f"--global_batch_size={t.global_batch_size} is not divisible by the data-parallel size {shards} "
-            f"(dp x fsdp x ep)")
-    micro = t.micro_batch_size or t.global_batch_size // shards
-    _positive(micro, "micro_batch_size")
-    if t.global_batch_size % (shards * micro):
-        raise ConfigError(
-            f"--global_batch_size={t.global_batch_size} is not divisible by data-parallel size {shards} "
-            f"x --micro_batch_size={micro}")
-    return shards, micro, t.global_batch_size // (shards * micro)
 
 
 def validate_model(cfg: Config) -> None:
     m, tp = cfg.model, cfg.parallel.tp
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                  "make_vocab_size_divisible_by", "max_position_embeddings"):
-        _positive(getattr(m, name), f"model.{name}")
-    _choice(m.normalization, ("rmsnorm", "layernorm"), "model.normalization")
-    _choice(m.activation, ("swiglu", "gelu"), "model.activation")
-    _choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
-    _choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
-    _choice(m.attention_impl, attention.IMPLS, "model.attention_impl")
-    _choice(m.qkv_grad_impl, ("auto", "xla", "pallas"), "model.qkv_grad_impl")
-    if m.qkv_grad_impl == "pallas" and not qkv_kernel_tiles(m.head_dim):
+        positive(getattr(m, name), f"model.{name}")
+    choice(m.normalization, ("rmsnorm", "layernorm"), "model.normalization")
+    choice(m.activation, ("swiglu", "gelu"), "model.activation")
+    choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
+    choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
+    choice(m.attention_impl, kernels.ATTENTION_IMPLS, "model.attention_impl")
+    choice(m.qkv_grad_impl, kernels.QKV_GRAD_IMPLS, "model.qkv_grad_impl")
+    if m.qkv_grad_impl == "pallas" and not kernels.qkv_kernel_tiles(m.head_dim):
         raise ConfigError(f"--model.qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "
                           f"(Triton's tile sizes), got head dim {m.head_dim}; use --model.qkv_grad_impl=xla")
-    _choice(m.cross_entropy_impl, ("reference", "fused"), "cross_entropy_impl")
-    _positive(m.cross_entropy_chunk, "cross_entropy_chunk")
-    _choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
+    choice(m.cross_entropy_impl, kernels.CROSS_ENTROPY_IMPLS, "cross_entropy_impl")
+    positive(m.cross_entropy_chunk, "cross_entropy_chunk")
+    choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
     for name in m.remat_save_names:
-        _choice(name, REMAT_NAMES, "model.remat_save_names")
+        choice(name, REMAT_NAMES, "model.remat_save_names")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"--model.hidden_size={m.hidden_size} is not divisible by --model.num_attention_heads="
@@ -88,7 +52,7 @@ def validate_model(cfg: Config) -> None:
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dim, got {m.head_dim} (--model.kv_channels)")
     if m.sliding_window is not None:
-        _positive(m.sliding_window, "model.window_size")
+        positive(m.sliding_window, "model.window_size")
     if m.num_experts is not None:
         raise ConfigError(f"model {m.name!r} has --num_experts={m.num_experts}: MoE layers are not implemented yet")
     if cfg.parallel.ep > 1:
@@ -116,9 +80,9 @@ def validate_model(cfg: Config) -> None:
             f"{m.max_position_embeddings} of the learned position table")
 
 
-def validate_pipeline(cfg: Config, num_devices: int) -> None:
+def validate_pipeline(cfg: Config) -> None:
     p, layers = cfg.parallel, cfg.model.num_layers
-    _choice(p.pipeline_schedule, PIPELINE_SCHEDULES, "pipeline_schedule")
+    choice(pipeline_schedule(p), PIPELINE_SCHEDULES, "pipeline_schedule")
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         if getattr(p, name) is not None:
             raise ConfigError(
@@ -130,32 +94,34 @@ def validate_pipeline(cfg: Config, num_devices: int) -> None:
             "stage holds the same number of layers and no layer is ever dropped; change one of them")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"--vpp={p.vpp} needs --pp > 1")
-    if p.vpp > 1 and p.pipeline_schedule != "interleaved":
-        raise ConfigError(f"--vpp={p.vpp} needs --pipeline_schedule=interleaved (got {p.pipeline_schedule})")
-    if p.pp > 1 and p.pipeline_schedule == "interleaved" and p.vpp == 1:
+    if p.vpp > 1 and pipeline_schedule(p) != "interleaved":
+        raise ConfigError(f"--vpp={p.vpp} needs the interleaved schedule, not --pipeline_schedule="
+                          f"{p.pipeline_schedule} (leave --pipeline_schedule unset: --vpp selects it)")
+    if p.pp > 1 and pipeline_schedule(p) == "interleaved" and p.vpp == 1:
         raise ConfigError("--pipeline_schedule=interleaved needs --vpp >= 2 virtual stages per device; "
                           "with --vpp=1 use gpipe or 1f1b")
-    shards, micro_size, micro = resolve_batch(cfg, num_devices)
-    if micro < p.pp:
-        raise ConfigError(
-            f"{micro} micro-batch(es) per step (--global_batch_size={cfg.train.global_batch_size} / (data-parallel "
-            f"size {shards} x --micro_batch_size={micro_size})) are fewer than the --pp={p.pp} pipeline stages, so "
-            f"stages would idle; lower --micro_batch_size or raise --global_batch_size to get at least {p.pp}")
 
 
-def validate_quantization(cfg: Config, num_devices: int) -> None:
+def pipeline_schedule(p) -> str:
+    """--pipeline_schedule, or when unset (as Megatron) interleaved with --vpp > 1, else 1f1b."""
+    if p.pipeline_schedule is not None:
+        return p.pipeline_schedule
+    return "interleaved" if p.vpp > 1 else "1f1b"
+
+
+def validate_quantization(cfg: Config) -> None:
     """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
     pr, m = cfg.precision, cfg.model
-    _choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
-    _choice(pr.fp8_recipe, (None, *quant.FP8_RECIPES), "fp8_recipe")
-    _choice(pr.fp4_recipe, (None, *quant.FP4_RECIPES), "fp4_recipe")
-    _choice(pr.fp8_format, ("e4m3", "hybrid"), "fp8_format")
-    _choice(pr.fp8_amax_compute_algo, ("most_recent", "max"), "fp8_amax_compute_algo")
-    _choice(pr.quant_impl, quant.IMPLS, "quant_impl")
-    _positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
+    choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
+    choice(pr.fp8_recipe, (None, *kernels.FP8_RECIPES), "fp8_recipe")
+    choice(pr.fp4_recipe, (None, *kernels.FP4_RECIPES), "fp4_recipe")
+    choice(pr.fp8_format, ("e4m3", "hybrid"), "fp8_format")
+    choice(pr.fp8_amax_compute_algo, ("most_recent", "max"), "fp8_amax_compute_algo")
+    choice(pr.quant_impl, kernels.QUANT_IMPLS, "quant_impl")
+    positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
     if pr.fp8_margin < 0:
         raise ConfigError(f"--fp8_margin must be >= 0, got {pr.fp8_margin}")
-    if fp8.FP8_CAST in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
+    if kernels.FP8_CAST in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
         raise ConfigError(f"--model.remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; drop it")
@@ -184,43 +150,62 @@ def validate_quantization(cfg: Config, num_devices: int) -> None:
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; use --cross_entropy_impl=reference")
     if pr.fp8_recipe == "blockwise":
-        _, micro, _ = resolve_batch(cfg, num_devices)
         dims = {"--hidden_size": m.hidden_size, "--ffn_hidden_size": m.ffn_hidden_size,
                 "--num_attention_heads x --kv_channels": m.num_attention_heads * m.head_dim,
-                "--num_query_groups x --kv_channels": m.num_kv_heads * m.head_dim,
-                "--micro_batch_size x --seq_length (tokens per micro-batch)": micro * cfg.train.seq_length}
+                "--num_query_groups x --kv_channels": m.num_kv_heads * m.head_dim}
         if pr.quantize_output_layer:
             dims["the padded vocab (--make_vocab_size_divisible_by)"] = m.padded_vocab_size()
-        bad = [f"{k}={v}" for k, v in dims.items() if v % 128]
-        if bad:
-            raise ConfigError(f"--fp8_recipe=blockwise needs GEMM sizes that are multiples of 128: {', '.join(bad)}; "
-                              "change them or use --fp8_recipe=tensorwise")
+        check_blockwise_dims(dims)
 
 
-def validate(cfg: Config, num_devices: int = 1) -> None:
+def check_blockwise_dims(dims: dict) -> None:
+    bad = [f"{k}={v}" for k, v in dims.items() if v % 128]
+    if bad:
+        raise ConfigError(f"--fp8_recipe=blockwise needs GEMM sizes that are multiples of 128: {', '.join(bad)}; "
+                          "change them or use --fp8_recipe=tensorwise")
+
+
+def validate(cfg: Config) -> None:
+    """Every check that needs only the config (mjax.parallel.layout.validate_layout adds the device count's)."""
     validate_model(cfg)
     p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
-    resolve_data_parallel(cfg, num_devices)
+    for name in ("tp", "pp", "vpp", "ep", "cp", "fsdp"):
+        positive(getattr(p, name), name)
+    if p.dp != -1:
+        positive(p.dp, "dp")
+    if p.cp > 1:
+        raise ConfigError(f"--cp={p.cp}: context parallelism (attention across devices over the sequence) is not "
+                          "implemented yet; use --cp=1")
     if p.sequence_parallel and t.seq_length % p.tp:
         raise ConfigError(f"--sequence_parallel: --seq_length={t.seq_length} is not divisible by --tp={p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        log.warning("--sequence_parallel has no effect with --tp=1 (it splits the sequence over the tensor-parallel "
+                    "group); it is ignored")
     if t.seq_length % p.cp:
         raise ConfigError(f"--seq_length={t.seq_length} is not divisible by --cp={p.cp}")
 
-    _positive(t.train_iters, "train_iters")
-    _positive(t.seq_length, "seq_length")
-    validate_quantization(cfg, num_devices)
-    validate_pipeline(cfg, num_devices)
-    _choice(t.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
+    positive(t.train_iters, "train_iters")
+    positive(t.seq_length, "seq_length")
+    positive(t.global_batch_size, "global_batch_size")
+    if t.micro_batch_size is not None:
+        positive(t.micro_batch_size, "micro_batch_size")
+    validate_quantization(cfg)
+    validate_pipeline(cfg)
+    choice(t.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     if t.z_loss_coeff < 0:
         raise ConfigError(f"--z_loss_coeff must be >= 0, got {t.z_loss_coeff}")
+    if t.eval_interval < 0:
+        raise ConfigError(f"--eval_interval must be >= 0 (0 disables evaluation), got {t.eval_interval}")
+    if t.eval_interval:
+        positive(t.eval_iters, "eval_iters")
 
-    _choice(pr.params_dtype, ("float32", "bfloat16", "float16"), "precision.params_dtype")
+    choice(pr.params_dtype, ("float32", "bfloat16", "float16"), "precision.params_dtype")
     if pr.loss_scale is not None and pr.loss_scale <= 0:
         raise ConfigError(f"--loss_scale must be positive, got {pr.loss_scale}")
 
-    _choice(o.optimizer, ("adamw", "sgd"), "optimizer")
-    _choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")
-    _choice(o.lr_wsd_decay_style, ("linear", "cosine", "minus_sqrt"), "lr_wsd_decay_style")
+    choice(o.optimizer, ("adamw", "sgd"), "optimizer")
+    choice(o.lr_decay_style, ("constant", "linear", "cosine", "wsd"), "lr_decay_style")
+    choice(o.lr_wsd_decay_style, ("linear", "cosine", "minus_sqrt"), "lr_wsd_decay_style")
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"need 0 <= --min_lr <= --lr, got min_lr={o.min_lr}, lr={o.lr}")
     if o.lr_warmup_iters < 0:  # a warmup longer than the run is allowed: short runs of long-run presets
@@ -232,10 +217,18 @@ def validate(cfg: Config, num_devices: int = 1) -> None:
     if o.clip_grad < 0:
         raise ConfigError(f"--clip_grad must be >= 0, got {o.clip_grad}")
 
-    _positive(cfg.logging.log_interval, "log_interval")
-    c = cfg.checkpoint
+    positive(cfg.logging.log_interval, "log_interval")
+    validate_checkpoint(cfg.checkpoint)
+
+
+def validate_checkpoint(c) -> None:
     if c.save_interval < 0:
         raise ConfigError("--save_interval must be >= 0")
+    if c.save_interval and not c.save:
+        raise ConfigError(f"--save_interval={c.save_interval} needs --save (the directory to write checkpoints to)")
+    if c.keep is not None and c.keep <= 0:
+        raise ConfigError(f"--keep={c.keep}: keep is how many of the latest checkpoints to keep (at least 1); leave "
+                          "it unset to keep all")
     for flag, given in (("--ckpt_step", c.load_step is not None), ("--load_params_only", c.load_params_only)):
         if given and not c.load:
             raise ConfigError(f"{flag} says what to read from --load, but --load is not set")

@@ -1,0 +1,1 @@
+"""Command-line entry points (`mjax-train`, `python -m mjax.cli.train`, ...): short absl programs."""

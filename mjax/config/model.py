@@ -1,0 +1,106 @@
+"""The model architecture: what a checkpoint's weights mean. Execution choices (kernels, remat) live elsewhere."""
+
+import dataclasses
+import math
+
+from mjax.config.base import field
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = field("custom", help="Preset name, for logs.")
+    num_layers: int = field(2, "num_layers")
+    hidden_size: int = field(64, "hidden_size")
+    num_attention_heads: int = field(4, "num_attention_heads")
+    num_query_groups: int | None = field(None, "num_query_groups", "KV heads (GQA/MQA); None means MHA.")
+    kv_channels: int | None = field(None, "kv_channels", "Head dim; None means hidden_size / heads.")
+    ffn_hidden_size: int = field(256, "ffn_hidden_size")
+    vocab_size: int = field(256, "vocab_size", "Tokenizer vocab; padded up for sharding.")
+    make_vocab_size_divisible_by: int = field(128, "make_vocab_size_divisible_by")
+    max_position_embeddings: int = field(2048, "max_position_embeddings")
+    normalization: str = field("rmsnorm", "normalization", "rmsnorm | layernorm")
+    norm_epsilon: float = field(1e-5, "norm_epsilon")
+    activation: str = field("swiglu", "activation", "swiglu | gelu")
+    position_embedding_type: str = field("rope", "position_embedding_type", "rope | learned")
+    rotary_base: float = field(10000.0, "rotary_base")
+    rope_scaling: str = field("none", "rope_scaling", "none | llama3")
+    rope_scaling_factor: float = field(8.0, "rope_scaling_factor")
+    rope_low_freq_factor: float = field(1.0)
+    rope_high_freq_factor: float = field(4.0)
+    rope_original_max_positions: int = field(8192)
+    add_bias_linear: bool = field(False, "add_bias_linear", "Biases on every linear layer (GPT-2).")
+    add_qkv_bias: bool = field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
+    untie_embeddings_and_output_weights: bool = field(True, "untie_embeddings_and_output_weights")
+    sliding_window: int | None = field(None, "window_size", "Sliding-window attention span (Mistral).")
+    init_method_std: float = field(0.02, "init_method_std")
+    attention_impl: str = field("auto", "attention_impl", "auto | xla | cudnn | pallas")
+    qkv_grad_impl: str = field(
+        "auto", "qkv_grad_impl", "auto | xla | pallas: how the backward assembles the fused QKV projection's "
+        "gradient from dQ, dK (rotated back) and dV: autodiff's concatenate, or one Pallas pass (kernels/"
+        "qkv_rope_grad.py; RoPE models with the fused projection). auto: pallas on a GPU when Triton can tile the "
+        "head dim, else xla.")
+    cross_entropy_impl: str = field(
+        "reference", "cross_entropy_impl",
+        "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks; no whole logits)")
+    cross_entropy_chunk: int = field(1024, "cross_entropy_chunk", "Sequence positions per chunk when fused.")
+    remat_policy: str = field("none", "remat_policy", "none | selective | full")
+    # Default: every matmul output and the attention kernel's results are kept, only elementwise work (norms,
+    # RoPE, SwiGLU product) is recomputed: the fastest selective set measured on an H200 (docs/performance.md).
+    remat_save_names: tuple[str, ...] = field(
+        ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_up", "mlp_out"),
+        help="With remat_policy=selective: named activations kept; everything else is recomputed.")
+    scan_layers: bool = field(True, help="Run the layer stack with lax.scan (one compiled layer).")
+    # Mixture of experts (Megatron's --moe-* names). num_experts=None: every layer has a dense MLP.
+    num_experts: int | None = field(None, "num_experts", "Routed experts per MoE layer; None means a dense model.")
+    moe_layer_freq: str = field(
+        "1", "moe_layer_freq", "Which layers are MoE: an int N (every N-th layer from layer 0) or a 0/1 pattern, "
+        "e.g. '[0]*1+[1]*27'.")
+    moe_first_dense_layers: int = field(0, "moe_first_dense_layers",
+                                         "Leading dense layers before the MoE layers (DeepSeek's first_k_dense).")
+    moe_ffn_hidden_size: int | None = field(None, "moe_ffn_hidden_size", "Expert FFN size; None means ffn_hidden_size.")
+    moe_shared_expert_intermediate_size: int | None = field(
+        None, "moe_shared_expert_intermediate_size", "FFN size of the shared experts (all of them together).")
+    moe_shared_expert_gate: bool = field(False, "moe_shared_expert_gate",
+                                          "Scale the shared experts' output by sigmoid(x @ w) (Qwen2-MoE).")
+    moe_router_topk: int = field(2, "moe_router_topk")
+    moe_router_score_function: str = field("softmax", "moe_router_score_function", "softmax | sigmoid")
+    moe_router_pre_softmax: bool = field(
+        False, "moe_router_pre_softmax", "Softmax over all experts before the top-k (no renormalisation); else the "
+        "top-k logits are softmaxed.")
+    moe_router_num_groups: int | None = field(None, "moe_router_num_groups", "Expert groups (group-limited routing).")
+    moe_router_group_topk: int | None = field(None, "moe_router_group_topk", "Groups a token may route to.")
+    moe_router_topk_scaling_factor: float | None = field(None, "moe_router_topk_scaling_factor",
+                                                          "Multiplies the routing weights (DeepSeek).")
+    moe_router_dtype: str = field("fp32", "moe_router_dtype", "fp32 | fp64: router logits and scores.")
+    moe_router_load_balancing_type: str = field(
+        "aux_loss", "moe_router_load_balancing_type", "aux_loss | seq_aux_loss | global_aux_loss | none")
+    moe_aux_loss_coeff: float = field(0.0, "moe_aux_loss_coeff")
+    moe_z_loss_coeff: float = field(0.0, "moe_z_loss_coeff")
+    moe_router_enable_expert_bias: bool = field(
+        False, "moe_router_enable_expert_bias", "Aux-loss-free balancing: a per-expert bias added to the scores for "
+        "the top-k choice only, updated every step towards equal load.")
+    moe_router_bias_update_rate: float = field(1e-3, "moe_router_bias_update_rate")
+    moe_router_force_load_balancing: bool = field(
+        False, "moe_router_force_load_balancing", "Benchmark mode: route to balanced experts regardless of the "
+        "router (the published MoE throughput tables use it).")
+    moe_expert_capacity_factor: float | None = field(
+        None, "moe_expert_capacity_factor", "None: dropless; else each expert takes at most this factor times its "
+        "even share of the routed tokens.")
+    moe_token_drop_policy: str = field("probs", "moe_token_drop_policy",
+                                        "probs | position: over capacity, drop the lowest-weight or the latest tokens.")
+    moe_pad_expert_input_to_capacity: bool = field(False, "moe_pad_expert_input_to_capacity",
+                                                    "With a capacity factor: every expert computes exactly capacity rows.")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self) -> int:
+        """Vocab rounded up to make_vocab_size_divisible_by. Unlike Megatron it does not depend on tp, so
+        checkpoints restore onto any layout; validation requires it to be divisible by tp."""
+        multiple = self.make_vocab_size_divisible_by
+        return math.ceil(self.vocab_size / multiple) * multiple
