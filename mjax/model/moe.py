@@ -18,7 +18,9 @@ Forward: the router logits x @ router/kernel in --moe_router_dtype (full-precisi
 top-k, then per dispatch group (one per shard of the logical `batch` axis, so under data parallelism the sort stays
 local; 1 without a mesh) the assignments are sorted by expert (moe_dispatch.py), the gate and up projections run as
 one grouped GEMM on their [E, D, F, 2] concatenation, the SwiGLU output is multiplied by the routing weight (where
-Megatron applies it), the down projection is a second grouped GEMM, and each token sums its slots. Dropless
+Megatron applies it), the down projection is a second grouped GEMM, and each token sums its slots. The grouped GEMMs
+go through mjax.kernels.grouped_matmul with impl = --moe_grouped_gemm_impl (cfg.moe_grouped_gemm_impl, default
+auto). Dropless
 results do not depend on the number of dispatch groups; with --moe_expert_capacity_factor the capacity (and so what
 is dropped) is per dispatch group, as Megatron's is per rank. Shared experts (and their gate) are added last.
 
@@ -53,6 +55,7 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from mjax.kernels.grouped_matmul import grouped_matmul
 from mjax.model import router as moe_router
 from mjax.model.layers import Linear, output_std
 from mjax.model.mlp import MLP, swiglu_pairs
@@ -106,29 +109,6 @@ class Experts(nnx.Module):
             e, d, f = up.shape
             up = jnp.stack([self.gate_proj.kernel[...], up], axis=-1).reshape(e, d, 2 * f)  # [E, D, F, 2] -> [E, D, 2F]
         return up.astype(dtype), self.down_proj.kernel[...].astype(dtype)
-
-
-def _ragged_dot_f32(x, w, group_sizes):
-    return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-_ragged_dot = jax.custom_batching.custom_vmap(_ragged_dot_f32)
-
-
-@_ragged_dot.def_vmap
-def _ragged_dot_vmap(axis_size, in_batched, x, w, group_sizes):
-    # lax.ragged_dot batches only when every operand is batched: broadcast the shared expert weights.
-    x, w, group_sizes = (a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                         for a, batched in zip((x, w, group_sizes), in_batched))
-    return jax.vmap(_ragged_dot_f32)(x, w, group_sizes), True
-
-
-def grouped_matmul(x, w, group_sizes, *, impl: str = "auto"):
-    """x [M, K] (rows sorted by group) . w [G, K, N] -> [M, N] in x.dtype, float32 accumulation; rows past
-    sum(group_sizes) give zeros. Until mjax.kernels.grouped_matmul lands this is lax.ragged_dot (its reference)."""
-    if impl not in ("auto", "xla"):
-        raise ValueError(f"--moe_grouped_gemm_impl={impl!r}: only auto and xla (lax.ragged_dot) are available")
-    return _ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32))
 
 
 def expert_rows(xs, weights, group_sizes, gate_up, down, *, gated: bool, impl: str):
