@@ -2,11 +2,13 @@
 
     python scripts/bench_convert_memory.py                      # Llama-3-8B shapes, bf16: ~16 GB per copy on disk
     python scripts/bench_convert_memory.py --num_layers=4       # the same tensors, fewer layers (quick)
+    python scripts/bench_convert_memory.py --max_shard_size_mb=1000   # export in smaller shards (less memory)
 
-Writes random bf16 safetensors shards with the Hugging Face config of Meta-Llama-3-8B (one tensor in memory at a
+Writes random bf16 safetensors shards with the Hugging Face config of Meta-Llama-3-8B (one shard in memory at a
 time), then runs `convert_checkpoint.py` hf_to_mjax and mjax_to_hf, each in a fresh process, and prints a table of
-time and peak RSS against the model size. Disk: the HF input is deleted before the export, so at most two copies
-(~32 GB for 8B) exist at once; `--workdir` is removed at the end unless --keep.
+time and peak RSS against the model size. Export holds one safetensors shard in memory until it is written, so its
+peak grows with --max_shard_size_mb (the input is written in 5 GiB shards). Disk: the HF input is deleted before
+the export, so at most two copies (~32 GB for 8B) exist at once; `--workdir` is removed at the end unless --keep.
 """
 
 import json
@@ -26,6 +28,7 @@ from mjax.convert.safetensors_io import SafetensorsWriter
 flags.DEFINE_string("workdir", "/tmp/mjax_bench_convert", "Scratch directory (deleted at the end unless --keep).")
 flags.DEFINE_integer("num_layers", 32, "Layers of the Llama-3-8B config to generate (32 = the real model).")
 flags.DEFINE_boolean("keep", False, "Keep the generated and converted checkpoints.")
+flags.DEFINE_integer("max_shard_size_mb", 5000, "Export: largest safetensors shard, in MB (convert_checkpoint.py's).")
 FLAGS = flags.FLAGS
 
 LLAMA3_8B = {
@@ -73,11 +76,11 @@ def make_checkpoint(directory: Path, config: dict) -> int:
     return writer.total
 
 
-def convert(direction: str, src: Path, dst: Path) -> tuple[float, float]:
+def convert(direction: str, src: Path, dst: Path, *extra: str) -> tuple[float, float]:
     script = Path(__file__).resolve().parent / "convert_checkpoint.py"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), f"--direction={direction}", f"--input={src}",
-                           f"--output={dst}"], capture_output=True, text=True)
+                           f"--output={dst}", *extra], capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{direction} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
@@ -98,7 +101,8 @@ def main(argv):
     try:
         rows.append(("hf_to_mjax", *convert("hf_to_mjax", work / "hf", work / "mjax")))
         shutil.rmtree(work / "hf")
-        rows.append(("mjax_to_hf", *convert("mjax_to_hf", work / "mjax", work / "hf_out")))
+        rows.append(("mjax_to_hf", *convert("mjax_to_hf", work / "mjax", work / "hf_out",
+                                            f"--max_shard_size_mb={FLAGS.max_shard_size_mb}")))
     finally:
         if not FLAGS.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,8 +1,18 @@
-"""Streaming safetensors: read one tensor at a time from single or sharded (indexed) files, and write shards whose
-headers are planned up front so tensors can be written in any order. Host memory stays at one tensor.
+"""Safetensors through Hugging Face's `safetensors` library: read one tensor at a time from single or sharded
+(indexed) model directories, and write shards of at most `max_shard_bytes` with the index `save_pretrained` writes.
 
-The format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}
-(offsets relative to the end of the header), then the raw little-endian bytes.
+Reading opens each file with `safe_open(framework="numpy", backend="pread")`: every `get` reads just that tensor's
+bytes into a fresh array. The default mmap backend keeps every page it has touched mapped while the file is open, so
+the resident size grows towards the whole shard (measured in docs/convert.md).
+
+FP8: the library's numpy path cannot build float8 arrays (it looks up `numpy.float8_e4m3fn`, which numpy lacks;
+safetensors 0.8.0), though it lists them with dtype and shape and validates their offsets when the file opens. Their
+bytes are read from the byte range the file's header gives them (the layout the format specifies: an 8-byte
+little-endian header length, the JSON header, then the data) and viewed as the ml_dtypes type.
+
+Writing goes through `safetensors.numpy.save_file`, which writes a whole file from arrays in memory without copying
+them: a shard's tensors are held until its last one arrives, then written and dropped. Tensors written in plan
+order (as export does) hold at most one shard.
 """
 
 import json
@@ -11,22 +21,33 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from mjax.convert.spec import ConversionError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+RAW = {"F8_E4M3", "F8_E5M2"}  # read from their byte range: the library's numpy path cannot return them
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+METADATA = {"format": "pt"}  # transformers refuses a file whose metadata names no framework it knows
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def _open(path: Path):
+    try:
+        return safe_open(path, framework="numpy", backend="pread")
+    except Exception as e:  # SafetensorError or OSError: a truncated file, a bad header
+        raise ConversionError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def _data_offsets(path: Path) -> tuple[dict, int]:
+    """({tensor: [begin, end]}, where the data starts) from the file's header."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
+    return {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}, 8 + n
 
 
 class SafetensorsReader:
@@ -46,14 +67,16 @@ class SafetensorsReader:
                 hint = f" (found {', '.join(bins)}: re-save with safe_serialization=True)" if bins else ""
                 raise ConversionError(f"{self.directory}: no {SINGLE} or {INDEX}{hint}")
             files = found
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
+        self.entries: dict[str, tuple[Path, str, tuple]] = {}  # name -> (file, safetensors dtype, shape)
+        self._files = {}
         for name in files:
             path = self.directory / name
             if not path.exists():
                 raise ConversionError(f"{index}: lists shard {name}, which is missing")
-            header, start = _read_header(path)
-            for tensor, info in header.items():
-                self.entries[tensor] = (path, info, start)
+            f = self._files[path] = _open(path)
+            for tensor in f.keys():
+                view = f.get_slice(tensor)
+                self.entries[tensor] = (path, view.get_dtype(), tuple(view.get_shape()))
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -62,34 +85,36 @@ class SafetensorsReader:
         return list(self.entries)
 
     def shape(self, name: str) -> tuple:
-        return tuple(self.entries[name][1]["shape"])
+        return self.entries[name][2]
 
     def dtype(self, name: str) -> np.dtype:
-        return np.dtype(DTYPES[self.entries[name][1]["dtype"]])
+        return np.dtype(DTYPES[self.entries[name][1]])
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.entries:
             raise ConversionError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
-        path, info, start = self.entries[name]
-        if info["dtype"] not in DTYPES:
-            raise ConversionError(f"tensor {name!r} in {path.name} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        out = np.empty(tuple(info["shape"]), DTYPES[info["dtype"]])
-        if out.nbytes != end - begin:
-            raise ConversionError(f"tensor {name!r} in {path.name}: {end - begin} bytes for shape {info['shape']}")
-        with open(path, "rb") as f:
-            f.seek(start + begin)
-            got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
-        if got != out.nbytes:
-            raise ConversionError(f"tensor {name!r}: {path.name} is truncated ({got} of {out.nbytes} bytes)")
-        return out
+        path, dtype, shape = self.entries[name]
+        if dtype not in DTYPES:
+            raise ConversionError(f"tensor {name!r} in {path.name} has unsupported dtype {dtype}")
+        if dtype in RAW:
+            offsets, start = _data_offsets(path)
+            begin, _ = offsets[name]
+            count = int(np.prod(shape, dtype=np.int64))
+            return np.fromfile(path, np.uint8, count, offset=start + begin).view(DTYPES[dtype]).reshape(shape)
+        return self._files[path].get_tensor(name)
+
+
+def shard_names(n: int) -> list[str]:
+    """File names of n shards as `save_pretrained` writes them."""
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 class SafetensorsWriter:
     """Writes a planned set of tensors into shards of at most `max_shard_bytes` (plus an index when > 1 shard).
 
-    `plan` is an ordered list of (name, shape, dtype); every planned tensor must then be `write`-n exactly once,
-    in any order, before `close`.
+    `plan` is an ordered list of (name, shape, dtype); shards are cut in plan order (a tensor larger than
+    `max_shard_bytes` gets a shard of its own). Every planned tensor must then be `write`-n exactly once, in any
+    order, before `close`; a shard is written to disk when its last tensor arrives.
     """
 
     def __init__(self, directory, plan: list[tuple[str, tuple, np.dtype]], max_shard_bytes: int = 5 << 30):
@@ -109,38 +134,31 @@ class SafetensorsWriter:
                 size = 0
             shards[-1].append((name, tuple(shape), np.dtype(dtype), nbytes))
             size += nbytes
-        n = len(shards)
-        self.files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self.where: dict[str, tuple[str, int, tuple, np.dtype]] = {}
-        self.total = 0
-        for fname, shard in zip(self.files, shards):
-            header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for name, shape, dtype, nbytes in shard:
-                header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
-            with open(self.directory / fname, "wb") as f:
-                f.write(struct.pack("<Q", len(raw)) + raw)
-                f.truncate(8 + len(raw) + offset)
-            for name, shape, dtype, nbytes in shard:
-                self.where[name] = (fname, 8 + len(raw) + header[name]["data_offsets"][0], shape, dtype)
-            self.total += offset
-        self.pending = set(self.where)
+        self.files = shard_names(len(shards))
+        self.where = {name: (i, shape, dtype) for i, shard in enumerate(shards) for name, shape, dtype, _ in shard}
+        self.total = sum(nbytes for shard in shards for *_, nbytes in shard)
+        self._waiting = [{name for name, *_ in shard} for shard in shards]  # tensors each shard still lacks
+        self._held: list[dict] = [{} for _ in shards]
 
     def write(self, name: str, array: np.ndarray):
-        fname, pos, shape, dtype = self.where[name]
+        if name not in self.where:
+            raise ConversionError(f"tensor {name!r} was not planned")
+        i, shape, dtype = self.where[name]
         if array.shape != shape or array.dtype != dtype:
             raise ConversionError(f"tensor {name!r}: got {array.shape} {array.dtype}, planned {shape} {dtype}")
-        with open(self.directory / fname, "r+b") as f:
-            f.seek(pos)
-            f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-        self.pending.discard(name)
+        if name not in self._waiting[i]:
+            raise ConversionError(f"tensor {name!r} written twice")
+        self._held[i][name] = np.ascontiguousarray(array)  # save_file reads the buffer as is
+        self._waiting[i].discard(name)
+        if not self._waiting[i]:
+            save_file(self._held[i], self.directory / self.files[i], metadata=METADATA)
+            self._held[i] = {}
 
     def close(self):
-        if self.pending:
-            raise ConversionError(f"tensors planned but never written: {', '.join(sorted(self.pending))}")
+        missing = sorted(n for waiting in self._waiting for n in waiting)
+        if missing:
+            raise ConversionError(f"tensors planned but never written: {', '.join(missing)}")
         if len(self.files) > 1:
             index = {"metadata": {"total_size": self.total},
-                     "weight_map": {name: w[0] for name, w in self.where.items()}}
-            (self.directory / INDEX).write_text(json.dumps(index, indent=2))
+                     "weight_map": {name: self.files[i] for name, (i, _, _) in self.where.items()}}
+            (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
