@@ -179,7 +179,6 @@ class MoE(nnx.Module):
         --moe_router_force_load_balancing (required with it, unused without)."""
         cfg = self.cfg
         b, t, d = x.shape
-        k, e = cfg.moe_router_topk, cfg.num_experts
         logits = self.router.logits(x.reshape(b * t, d), moe_router.router_dtype(cfg.moe_router_dtype))  # [N, E]
         if cfg.moe_router_force_load_balancing:
             if key is None:
@@ -187,7 +186,7 @@ class MoE(nnx.Module):
             logits = moe_router.force_balanced_logits(logits, key)
         logits = checkpoint_name(logits, "moe_router_logits")
         weights, experts = moe_router.route(
-            logits, topk=k, score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
+            logits, topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
             num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
             scaling_factor=cfg.moe_router_topk_scaling_factor, expert_bias=self.router.bias())  # [N, k]
         y, plan_stats = self._routed(x, weights, experts)

@@ -231,9 +231,9 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
 
 
 def assignment_order(experts, weights, priority, *, policy: str):
-    """The (token, slot) assignments [A] sorted by expert, each expert's assignments in the order --moe_token_drop_policy
-    keeps them: `probs`, highest weight first; `position`, lowest `priority` first (ties of weight also fall back to
-    priority). Returns the permutation [A] (sorted position -> assignment)."""
+    """The (token, slot) assignments [A] sorted by expert, each expert's assignments in the order
+    --moe_token_drop_policy keeps them: `probs`, highest weight first; `position`, lowest `priority` first (ties of
+    weight also fall back to priority). Returns the permutation [A] (sorted position -> assignment)."""
     if policy == "probs":
         return jnp.lexsort((priority, -weights, experts)).astype(jnp.int32)
     if policy == "position":

@@ -365,13 +365,14 @@ def test_dispatch_groups_under_a_mesh():
     cfg = make_cfg()
     m = make_moe(cfg)
     x = inputs(shape=(8, T, D))
-    graphdef, state = nnx.split(m)
-    run = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
-    y1, _ = run(state, x)
+    y1, _ = call(m, x)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
     rules = {"batch": ("data",), "mlp": ("tensor",), "embed": (), "act_embed": (), "seq": (), "experts": ()}
-    with logical_sharding(mesh, rules):
-        y4, _ = run(state, x)
+    graphdef, state = nnx.split(m)
+    with logical_sharding(mesh, rules):  # the rules are read while tracing: call() traces a fresh function
+        jaxpr = str(jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x))(state, x))
+        assert f"f32[4,{2 * T},{D}]" in jaxpr  # 4 dispatch groups of 2 sequences
+        y4, _ = call(m, x)
     np.testing.assert_allclose(y4, y1, rtol=1e-6, atol=1e-6)
 
 
