@@ -9,6 +9,12 @@ config.json, params/ (an Orbax PyTree checkpoint of the params) and the tokenize
 config.json, safetensors shards (+ index) and the tokenizer files, which `transformers` loads; its --input may also
 be a training checkpoint (`scripts/train.py --save` directory, latest step unless --ckpt_step). Tensors stream one
 (stacked) parameter at a time, so host memory stays near the largest parameter, not the model.
+
+Errors are one line naming the flag or file. Exit codes (the table in mjax/cli/common.py):
+    0  converted
+    2  bad input: a bad flag value, an --input that does not exist, an --output that already holds a model
+    4  an unusable checkpoint: --input is not a checkpoint, is unreadable, or holds a model the conversion rejects
+       (an unsupported architecture or config, a missing tensor, a shape that does not match config.json)
 """
 
 import os
@@ -16,8 +22,10 @@ import resource
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
+from mjax.cli.common import BAD_INPUT, CHECKPOINT, fail, no_positional, run
+from mjax.config import ConfigError
 from mjax.logging_setup import setup_logging
 
 flags.DEFINE_enum("direction", None, ["hf_to_mjax", "mjax_to_hf"], "Which way to convert.")
@@ -28,7 +36,7 @@ flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"
 flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
                     "else inferred: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM or LlamaForCausalLM).")
 flags.DEFINE_integer("ckpt_step", None, "mjax_to_hf from a training checkpoint: the step (default: latest).")
-flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.")
+flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.", lower_bound=1)
 flags.mark_flags_as_required(["direction", "input", "output"])
 FLAGS = flags.FLAGS
 
@@ -43,23 +51,24 @@ def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion is host work; keep accelerators free
     setup_logging()
-    from mjax.convert import ConversionError, hf_to_mjax, mjax_to_hf  # noqa: PLC0415
+    from mjax.convert import ConversionError, InputError, hf_to_mjax, mjax_to_hf  # noqa: PLC0415
 
     dtype = None if FLAGS.dtype == "source" else FLAGS.dtype
     t0 = time.perf_counter()
     try:
+        no_positional(argv)
         if FLAGS.direction == "hf_to_mjax":
             summary = hf_to_mjax(FLAGS.input, FLAGS.output, dtype=dtype)
         else:
             summary = mjax_to_hf(FLAGS.input, FLAGS.output, dtype=dtype, architecture=FLAGS.architecture,
                                  max_shard_bytes=FLAGS.max_shard_size_mb * 10**6, step=FLAGS.ckpt_step)
-    except (ConversionError, FileNotFoundError) as e:
-        sys.exit(f"convert_checkpoint: {e}")
+    except (InputError, ConfigError, FileNotFoundError) as e:
+        return fail("convert_checkpoint", e, BAD_INPUT)
+    except ConversionError as e:
+        return fail("convert_checkpoint: unusable checkpoint", e, CHECKPOINT)
     gb = summary["bytes"] / 1e9
     print(f"converted {FLAGS.input} -> {FLAGS.output} ({FLAGS.direction}): {gb:.3f} GB of tensors in "
           f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_bytes() / 1e9:.2f} GB")
@@ -67,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -6,6 +6,12 @@
 --load takes an mjax checkpoint (convert_checkpoint.py output) or a Hugging Face model directory. The tokenizer is
 <load>/tokenizer.json unless --tokenizer names one; --prompt_ids=1,2,3 skips the tokenizer. Greedy when
 --temperature=0. Decoding uses a KV cache (mjax/model/decode.py); generation stops at the model's EOS token.
+
+Errors are one line naming the flag or file. Exit codes (the table in mjax/cli/common.py):
+    0  generated
+    2  bad input: a bad flag value, a --load or --tokenizer that does not exist, an empty prompt, a prompt longer
+       than the model's positions
+    4  an unusable checkpoint: --load is not a checkpoint, or is unreadable
 """
 
 import json
@@ -13,17 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 
+from mjax.cli.common import BAD_INPUT, CHECKPOINT, fail, no_positional, run
+from mjax.config import ConfigError
 from mjax.logging_setup import setup_logging
 
 flags.DEFINE_string("load", None, "mjax checkpoint directory or Hugging Face model directory.")
 flags.DEFINE_string("prompt", "", "Text to continue.")
 flags.DEFINE_list("prompt_ids", None, "Token ids to continue instead of --prompt (no tokenizer needed).")
 flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: the one in --load).")
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
-flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 means all.")
+flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 means all.", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.mark_flag_as_required("load")
@@ -40,39 +48,51 @@ def eos_ids(directory: Path) -> set[int]:
     return ids
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv) -> int:
     setup_logging()
+    from mjax.convert import ConversionError, InputError  # noqa: PLC0415
+
+    try:
+        no_positional(argv)
+        return _generate(Path(FLAGS.load))
+    except ConversionError as e:
+        if isinstance(e, InputError):
+            return fail("generate", e, BAD_INPUT)
+        return fail("generate: unusable checkpoint", e, CHECKPOINT)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: mjax.generate's prompt checks
+        return fail("generate", e, BAD_INPUT)
+
+
+def _generate(load: Path) -> int:
     import numpy as np  # noqa: PLC0415
 
-    from mjax.convert import ConversionError, load_pretrained  # noqa: PLC0415
+    from mjax.convert import load_pretrained, source  # noqa: PLC0415
     from mjax.generate import generate  # noqa: PLC0415
 
-    load = Path(FLAGS.load)
+    found = source.resolve(load, flag="--load")
     tokenizer = None
     if FLAGS.prompt_ids is None:
         from tokenizers import Tokenizer  # noqa: PLC0415
 
         path = Path(FLAGS.tokenizer) if FLAGS.tokenizer else load / "tokenizer.json"
         if not path.exists():
-            sys.exit(f"generate: no tokenizer at {path}; pass --tokenizer or --prompt_ids")
+            raise ConfigError(f"no tokenizer at {path}; pass --tokenizer or --prompt_ids")
         tokenizer = Tokenizer.from_file(str(path))
         ids = tokenizer.encode(FLAGS.prompt).ids
     else:
-        ids = [int(i) for i in FLAGS.prompt_ids]
+        try:
+            ids = [int(i) for i in FLAGS.prompt_ids]
+        except ValueError:
+            raise ConfigError(f"--prompt_ids={','.join(FLAGS.prompt_ids)}: not a list of integers") from None
     if not ids:
-        sys.exit("generate: the prompt is empty; pass --prompt or --prompt_ids")
-    try:
-        model, cfg = load_pretrained(load, dtype=FLAGS.dtype)
-    except ConversionError as e:
-        sys.exit(f"generate: {e}")
+        raise ConfigError("the prompt is empty; pass --prompt or --prompt_ids")
+    model, cfg = load_pretrained(found, dtype=FLAGS.dtype)
+    bad = [i for i in ids if not 0 <= i < cfg.model.vocab_size]
+    if bad:  # an embedding lookup would clamp them silently
+        raise ConfigError(f"prompt token id(s) {bad[:5]} outside the model's vocab of {cfg.model.vocab_size}")
     t0 = time.perf_counter()
-    try:
-        out = generate(model.model_def, model.params, np.asarray([ids], np.int32), FLAGS.max_new_tokens,
-                       temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
-    except ValueError as e:
-        sys.exit(f"generate: {e}")
+    out = generate(model.model_def, model.params, np.asarray([ids], np.int32), FLAGS.max_new_tokens,
+                   temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
     new = [int(i) for i in np.asarray(out)[0]]
     stop = eos_ids(load)
     for i, tok in enumerate(new):
@@ -88,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

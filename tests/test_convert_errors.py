@@ -1,7 +1,11 @@
 """Bad input fails with a clear error naming the tensor, key or architecture."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,12 +91,12 @@ def test_unsupported_config_is_named(name, edit, match):
 
 
 def test_not_a_model_directory(tmp_path):
-    with pytest.raises(ConversionError, match="no config.json"):
+    with pytest.raises(ConversionError, match="is not a checkpoint: expected config.json"):
         hf_to_mjax(tmp_path, tmp_path / "out")
     shutil.copy(FIXTURES / "gpt2" / "config.json", tmp_path / "config.json")
     with pytest.raises(ConversionError, match="no model.safetensors"):
         hf_to_mjax(tmp_path, tmp_path / "out")
-    with pytest.raises(ConversionError, match="not an mjax checkpoint"):
+    with pytest.raises(ConversionError, match="is a Hugging Face model directory"):
         mjax_to_hf(tmp_path, tmp_path / "out")
 
 
@@ -111,3 +115,53 @@ def test_export_never_writes_over_an_existing_model(tmp_path):
     with pytest.raises(ConversionError, match=r"already holds a model \(model.safetensors\)"):
         SafetensorsWriter(out, [("x", (2,), np.dtype(np.float32))])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# ---- the scripts: one line naming the flag or file, no traceback, exit code 2 (bad input) or 4 (checkpoint) ----
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A converted checkpoint, a directory that is no checkpoint, and a path that does not exist."""
+    root = tmp_path_factory.mktemp("inputs")
+    hf_to_mjax(FIXTURES / "llama_tied_mha", root / "converted")
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("not a model")
+    return {"converted": root / "converted", "notes": root / "notes", "missing": root / "missing",
+            "out": root / "out"}
+
+
+CASES = [  # (script, flags with {placeholders}, exit code, text the error line names)
+    ("convert_checkpoint.py", ["--direction=mjax_to_hf", "--input={missing}", "--output={out}"], 2,
+     "--input={missing} does not exist"),
+    ("convert_checkpoint.py", ["--direction=hf_to_mjax", "--input={missing}", "--output={out}"], 2,
+     "--input={missing} does not exist"),
+    ("convert_checkpoint.py", ["--direction=sideways", "--input={converted}", "--output={out}"], 2, "--direction"),
+    ("convert_checkpoint.py", ["--direction=mjax_to_hf", "--input={converted}", "--output={out}",
+                               "--architecture=BertModel"], 2, "--architecture=BertModel is not supported"),
+    ("convert_checkpoint.py", ["--direction=hf_to_mjax", f"--input={FIXTURES / 'gpt2'}", "--output={converted}"], 2,
+     "--output={converted} already holds params/"),
+    ("convert_checkpoint.py", ["--direction=mjax_to_hf", "--input={notes}", "--output={out}"], 4,
+     "--input={notes} is not a checkpoint"),
+    ("convert_checkpoint.py", ["--direction=hf_to_mjax", "--input={converted}", "--output={out}"], 2,
+     "--direction=mjax_to_hf converts it"),
+    ("generate.py", ["--load={missing}", "--prompt_ids=1"], 2, "--load={missing} does not exist"),
+    ("generate.py", ["--load={notes}", "--prompt_ids=1"], 4, "--load={notes} is not a checkpoint"),
+    ("generate.py", ["--load={converted}", "--prompt_ids=1,x"], 2, "--prompt_ids=1,x: not a list of integers"),
+    ("generate.py", ["--load={converted}", "--prompt_ids=1,100000"], 2, "[100000] outside the model's vocab"),
+]
+
+
+@pytest.mark.parametrize("script, args, code, text", CASES, ids=[f"{c[0]}:{c[3][:40]}" for c in CASES])
+def test_script_errors_are_one_line_with_the_exit_code(inputs, script, args, code, text):
+    args, text = [a.format(**inputs) for a in args], text.format(**inputs)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if text in ln]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert not (inputs["out"] / "config.json").exists()  # nothing written

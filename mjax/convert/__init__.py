@@ -3,9 +3,9 @@
 Each family is a table (`mjax/convert/llama.py`, `gpt2.py`) read by one mechanism (`spec.py`) in both directions.
 """
 
-from mjax.convert.spec import ConversionError
+from mjax.convert.spec import ConversionError, InputError
 
-__all__ = ["ConversionError", "hf_to_mjax", "load_pretrained", "mjax_to_hf"]
+__all__ = ["ConversionError", "InputError", "hf_to_mjax", "load_pretrained", "mjax_to_hf"]
 
 
 def __getattr__(name):  # heavy modules load on first use

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mjax.config import Config, ConfigError, ModelConfig, from_dict
-from mjax.convert import orbax_io
+from mjax.config import Config, ConfigError, ModelConfig
+from mjax.convert import orbax_io, source
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
 from mjax.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
-from mjax.convert.spec import ConversionError, Dims, Family, flatten
+from mjax.convert.spec import ConversionError, Dims, Family, InputError, flatten
 
 log = logging.getLogger(__name__)
 FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2) for a in f.architectures}
@@ -153,6 +153,10 @@ def copy_tokenizer(src, dst) -> list[str]:
 
 def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
     """Converts an HF model directory into an mjax params-only checkpoint (layout: mjax.convert.orbax_io)."""
+    src = source.resolve(input_dir)
+    if src.kind != "hf":
+        raise InputError(f"--input={input_dir} is an mjax checkpoint ({src.kind}), not a Hugging Face model "
+                         "directory; --direction=mjax_to_hf converts it")
     output = Path(output_dir)
     model_cfg, chunks = iter_params(input_dir, dtype)
     output.mkdir(parents=True, exist_ok=True)
@@ -194,40 +198,24 @@ def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
         del slab
 
 
-def _mjax_source(src: Path, step: int | None):
-    """(Config, directory holding params/) of a converted checkpoint, or of a training checkpoint written by
-    `scripts/train.py --save` (its latest step unless `step`)."""
-    if orbax_io.is_mjax_checkpoint(src):
-        return from_dict(json.loads((src / orbax_io.CONFIG).read_text())), src
-    steps = sorted(int(p.name) for p in src.iterdir() if p.name.isdigit() and (p / orbax_io.PARAMS).is_dir()) \
-        if src.is_dir() else []
-    if src.name.isdigit() and (src / orbax_io.PARAMS).is_dir():  # a step directory itself
-        src, steps, step = src.parent, [int(src.name)], int(src.name)
-    if not steps:
-        raise ConversionError(f"{src} is not an mjax checkpoint: expected config.json and params/ (converted) or "
-                              "step directories (scripts/train.py --save)")
-    from mjax.checkpoint import pick_step, saved_config  # noqa: PLC0415
-
-    step = pick_step(steps, step, src, ConversionError)
-
-    return saved_config(str(src), step), src / str(step)
-
-
 def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = None,
                max_shard_bytes: int = 5 << 30, step: int | None = None) -> dict:
     """Converts an mjax checkpoint into an HF directory that transformers loads: a converted one (config.json +
     params/) or a training checkpoint of scripts/train.py --save (latest step unless `step`)."""
-    cfg, src = _mjax_source(Path(input_dir), step)
+    found = source.resolve(input_dir, step)
+    if found.kind == "hf":
+        raise InputError(f"--input={input_dir} is a Hugging Face model directory; --direction=hf_to_mjax converts it")
+    cfg, src = found.config, found.directory
     output = Path(output_dir)
     m = cfg.model
     original = json.loads((src / orbax_io.HF_CONFIG).read_text()) if (src / orbax_io.HF_CONFIG).exists() else None
     if architecture:
         if architecture not in FAMILIES:
-            raise ConversionError(f"--architecture={architecture} is not supported; supported: {', '.join(FAMILIES)}")
+            raise InputError(f"--architecture={architecture} is not supported; supported: {', '.join(FAMILIES)}")
         family = FAMILIES[architecture]
     else:
         family = family_for(original) if original else infer_family(m)
-    meta = orbax_io.param_metadata(src)
+    meta = orbax_io.param_metadata(src)  # ConversionError when unreadable
     shapes = {p: s for p, (s, _) in meta.items()}
     want = param_shapes(m)
     for p, s in want.items():  # the stored vocab padding may differ; everything else must match

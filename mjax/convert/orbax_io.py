@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mjax.convert.spec import ConversionError, flatten, unflatten
+from mjax.convert.spec import ConversionError, InputError, flatten, unflatten
 
 log = logging.getLogger(__name__)
 PARAMS = "params"
@@ -57,7 +57,7 @@ def save_params_streaming(directory, chunks: Iterable[dict]) -> int:
     directory = Path(directory).absolute()  # Orbax wants absolute paths
     target, staging = directory / PARAMS, directory / "params_staging"
     if target.exists():
-        raise ConversionError(f"{target} already exists; remove it or choose another --output")
+        raise InputError(f"--output={directory} already holds params/; remove it or choose another --output")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(staging.with_name(staging.name + ".partial_save"), ignore_errors=True)
     try:
@@ -117,7 +117,12 @@ def save_params(directory, params: dict):
 
 def param_metadata(directory) -> dict:
     """{path: (shape, dtype)} of the stored params, read from the checkpoint metadata only."""
-    meta = _ocp().PyTreeCheckpointer().metadata(Path(directory).absolute() / PARAMS)
+    root = Path(directory).absolute() / PARAMS
+    try:
+        meta = _ocp().PyTreeCheckpointer().metadata(root)
+    except Exception as e:  # Orbax raises many types for a missing or damaged item; all mean the same here
+        raise ConversionError(f"{root}: cannot read the checkpoint's metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''})") from e
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flatten(dict(tree)).items()}

@@ -1,15 +1,13 @@
 """`load_pretrained(path)`: an mjax checkpoint directory or a Hugging Face model directory -> (model, Config)."""
 
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mjax.config import Config, PrecisionConfig, from_dict
-from mjax.convert import orbax_io
+from mjax.config import Config, PrecisionConfig
+from mjax.convert import orbax_io, source
 from mjax.convert.spec import ConversionError, unflatten
 
 
@@ -40,14 +38,15 @@ def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = No
     from mjax.convert.hf import base_config, params_from_hf  # noqa: PLC0415
     from mjax.model import build_model  # noqa: PLC0415
 
-    path = Path(path)
+    found = path if isinstance(path, source.Source) else source.resolve(path, flag="--load")
+    path = found.directory
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
-    if orbax_io.is_mjax_checkpoint(path):
-        cfg = dataclasses.replace(from_dict(json.loads((path / orbax_io.CONFIG).read_text())), precision=precision)
+    if found.kind == "converted":
+        cfg = dataclasses.replace(found.config, precision=precision)
         model_def = build_model(cfg.model, precision)
         return Pretrained(model_def, orbax_io.restore(path, model_def.abstract_params()), cfg), cfg
-    if not (path / "config.json").exists():
-        raise ConversionError(f"{path}: neither an mjax checkpoint (config.json + params/) nor an HF model directory")
+    if found.kind == "training":
+        raise ConversionError(f"{path} is a training checkpoint; export it with scripts/convert_checkpoint.py")
     model_cfg, flat = params_from_hf(path)
     cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision)
     model_def = build_model(cfg.model, precision)

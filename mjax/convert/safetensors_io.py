@@ -24,7 +24,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mjax.convert.spec import ConversionError
+from mjax.convert.spec import ConversionError, InputError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -123,7 +123,7 @@ class SafetensorsWriter:
         # Never written over: a stale shard or index left beside new ones would be loaded instead of them.
         old = sorted(p.name for p in self.directory.iterdir() if p.name.endswith(".safetensors") or p.name == INDEX)
         if old:
-            raise ConversionError(f"--output={self.directory} already holds a model ({', '.join(old[:3])}"
+            raise InputError(f"--output={self.directory} already holds a model ({', '.join(old[:3])}"
                                   f"{', ...' if len(old) > 3 else ''}); choose an empty directory or remove them")
         shards: list[list] = [[]]
         size = 0

@@ -14,7 +14,13 @@ import numpy as np
 
 
 class ConversionError(ValueError):
-    """A checkpoint or config that cannot be converted; the message names the tensor, key or architecture."""
+    """A checkpoint or config that cannot be converted; the message names the tensor, key or architecture.
+    The scripts exit with code 4 (an unusable checkpoint) on it."""
+
+
+class InputError(ConversionError):
+    """Bad input rather than a bad checkpoint: a path that does not exist, a flag value, an --output that already
+    holds a model, a tokenizer that cannot be written. The scripts exit with code 2 on it."""
 
 
 @dataclasses.dataclass(frozen=True)
