@@ -276,7 +276,7 @@ def test_tiles_parse_print_and_validate():
 def test_default_tiling_takes_the_widest_blocks_that_divide():
     t = default_tiling(jnp.bfloat16, 2048, 768)
     assert (t.forward.block_n, t.forward.block_k, t.dgrad.block_n, t.dgrad.block_k) == (256, 64, 256, 64)
-    assert (t.wgrad.block_m, t.wgrad.block_n) == (128, 128)
+    assert (t.wgrad.block_m, t.wgrad.block_n, t.wgrad.num_warps) == (128, 256, 8)
     t = default_tiling(jnp.bfloat16, 2048, 1408)  # DeepSeek-MoE's expert FFN: 11 x 128
     assert (t.forward.block_n, t.dgrad.block_k, t.wgrad.block_n) == (128, 64, 128)
     assert default_tiling(jnp.float32, 2048, 768).forward.block_k == 32
