@@ -6,13 +6,15 @@
 
 hf_to_mjax reads config.json and model.safetensors (or shards with model.safetensors.index.json) and writes
 config.json, params/ (an Orbax PyTree checkpoint of the params) and the tokenizer files; mjax_to_hf writes
-config.json, safetensors shards (+ index) and the tokenizer files, which `transformers` loads; its --input may also
-be a training checkpoint (`scripts/train.py --save` directory, latest step unless --ckpt_step). Tensors stream one
-(stacked) parameter at a time, so host memory stays near the largest parameter, not the model.
+config.json, safetensors shards (+ index) and the tokenizer, which `transformers` loads; its --input may also be a
+training checkpoint (`scripts/train.py --save` directory, latest step unless --ckpt_step), whose tokenizer is the
+one its saved config names (tokenizer.json + tokenizer_config.json; a tiktoken run needs --skip_tokenizer).
+Tensors stream one (stacked) parameter at a time, so host memory stays near the largest parameter, not the model.
 
 Errors are one line naming the flag or file. Exit codes (the table in mjax/cli/common.py):
     0  converted
-    2  bad input: a bad flag value, an --input that does not exist, an --output that already holds a model
+    2  bad input: a bad flag value, an --input that does not exist, an --output that already holds a model, a
+       tokenizer that cannot be written (a tiktoken run without --skip_tokenizer, a --tokenizer_model now gone)
     4  an unusable checkpoint: --input is not a checkpoint, is unreadable, or holds a model the conversion rejects
        (an unsupported architecture or config, a missing tensor, a shape that does not match config.json)
 """
@@ -36,6 +38,8 @@ flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"
 flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
                     "else inferred: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM or LlamaForCausalLM).")
 flags.DEFINE_integer("ckpt_step", None, "mjax_to_hf from a training checkpoint: the step (default: latest).")
+flags.DEFINE_boolean("skip_tokenizer", False, "mjax_to_hf: write no tokenizer files (needed for a run trained with "
+                     "--tokenizer_type=tiktoken, which has no tokenizer.json form).")
 flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.", lower_bound=1)
 flags.mark_flags_as_required(["direction", "input", "output"])
 FLAGS = flags.FLAGS
@@ -64,7 +68,8 @@ def main(argv) -> int:
             summary = hf_to_mjax(FLAGS.input, FLAGS.output, dtype=dtype)
         else:
             summary = mjax_to_hf(FLAGS.input, FLAGS.output, dtype=dtype, architecture=FLAGS.architecture,
-                                 max_shard_bytes=FLAGS.max_shard_size_mb * 10**6, step=FLAGS.ckpt_step)
+                                 max_shard_bytes=FLAGS.max_shard_size_mb * 10**6, step=FLAGS.ckpt_step,
+                                 with_tokenizer=not FLAGS.skip_tokenizer)
     except (InputError, ConfigError, FileNotFoundError) as e:
         return fail("convert_checkpoint", e, BAD_INPUT)
     except ConversionError as e:

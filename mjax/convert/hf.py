@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mjax.config import Config, ConfigError, ModelConfig
-from mjax.convert import orbax_io, source
+from mjax.convert import orbax_io, source, tokenizer
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
 from mjax.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
@@ -24,8 +24,6 @@ from mjax.convert.spec import ConversionError, Dims, Family, InputError, flatten
 log = logging.getLogger(__name__)
 FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2) for a in f.architectures}
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
 # HF keys the families write; an original config's other keys (bos/eos ids, ...) are carried through on export.
 MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures")
 
@@ -142,15 +140,6 @@ def iter_params(directory, dtype=None):
     return model_cfg, chunks()
 
 
-def copy_tokenizer(src, dst) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists():
-            shutil.copy(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
-
-
 def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
     """Converts an HF model directory into an mjax params-only checkpoint (layout: mjax.convert.orbax_io)."""
     src = source.resolve(input_dir)
@@ -163,7 +152,9 @@ def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
     nbytes = orbax_io.save_params_streaming(output, chunks)
     orbax_io.write_json(output / orbax_io.CONFIG, base_config(dataclasses.asdict(model_cfg)).to_dict())
     shutil.copy(Path(input_dir) / "config.json", output / orbax_io.HF_CONFIG)
-    copy_tokenizer(input_dir, output)
+    tok = tokenizer.find(src)
+    if tok:
+        tokenizer.copy(tok, output)
     return {"model": model_cfg.name, "bytes": nbytes}
 
 
@@ -199,12 +190,14 @@ def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
 
 
 def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = None,
-               max_shard_bytes: int = 5 << 30, step: int | None = None) -> dict:
+               max_shard_bytes: int = 5 << 30, step: int | None = None, with_tokenizer: bool = True) -> dict:
     """Converts an mjax checkpoint into an HF directory that transformers loads: a converted one (config.json +
-    params/) or a training checkpoint of scripts/train.py --save (latest step unless `step`)."""
+    params/) or a training checkpoint of scripts/train.py --save (latest step unless `step`). The tokenizer the
+    checkpoint goes with is written beside it unless not `with_tokenizer` (mjax/convert/tokenizer.py)."""
     found = source.resolve(input_dir, step)
     if found.kind == "hf":
         raise InputError(f"--input={input_dir} is a Hugging Face model directory; --direction=hf_to_mjax converts it")
+    tok = tokenizer.find(found) if with_tokenizer else None  # before the tensors: a tokenizer problem fails fast
     cfg, src = found.config, found.directory
     output = Path(output_dir)
     m = cfg.model
@@ -234,13 +227,15 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
             writer.write(name.format(i=i), np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
                 out_dtype(r), copy=False))
     writer.close()
-    first_dtype = plan[0][2]
-    orbax_io.write_json(output / "config.json", hf_config_for(m, family, original, first_dtype))
-    if not copy_tokenizer(src, output) and cfg.data.tokenizer_model:  # a training run's --tokenizer_model
-        tok = Path(cfg.data.tokenizer_model)
-        copy_tokenizer(tok if tok.is_dir() else tok.parent, output)
+    hf_config = hf_config_for(m, family, original, plan[0][2])
+    written = tokenizer.write(tok, output, m.max_position_embeddings or cfg.train.seq_length) if tok else []
+    if tok and "eos_token_id" not in hf_config and tok.eos_id() is not None:  # generate() stops there
+        hf_config["eos_token_id"] = tok.eos_id()
+    orbax_io.write_json(output / "config.json", hf_config)
+    if with_tokenizer and not tok:
+        log.warning("no tokenizer written: %s holds no tokenizer files", found.describe())
     return {"architecture": family.architectures[0], "tensors": len(plan), "bytes": writer.total,
-            "files": writer.files}
+            "files": writer.files, "tokenizer": written}
 
 
 def params_from_hf(directory, dtype=None) -> tuple[ModelConfig, dict]:
