@@ -3,14 +3,19 @@
     python scripts/generate.py --load=ckpt/llama --prompt="The capital of France is" --max_new_tokens=32
     python scripts/generate.py --load=path/to/hf_model --prompt="Once upon" --temperature=0.8 --top_k=50 --seed=1
 
---load takes an mjax checkpoint (convert_checkpoint.py output) or a Hugging Face model directory. The tokenizer is
-<load>/tokenizer.json unless --tokenizer names one; --prompt_ids=1,2,3 skips the tokenizer. Greedy when
---temperature=0. Decoding uses a KV cache (mjax/model/decode.py); generation stops at the model's EOS token.
+    python scripts/generate.py --load=runs/tiny --prompt="Once upon a time"   # a scripts/train.py --save directory
+
+--load takes an mjax checkpoint (convert_checkpoint.py output), a training checkpoint (the latest step unless
+--ckpt_step) or a Hugging Face model directory (mjax/convert/source.py decides which). The tokenizer is the one the
+checkpoint goes with, found as export finds it (mjax/convert/tokenizer.py): for a training run the one its saved
+config names (the bundled sample tokenizer after a default run; tiktoken too), else <load>/tokenizer.json.
+--tokenizer names another tokenizer.json; --prompt_ids=1,2,3 skips the tokenizer. Greedy when --temperature=0.
+Decoding uses a KV cache (mjax/model/decode.py); generation stops at the model's EOS token.
 
 Errors are one line naming the flag or file. Exit codes (the table in mjax/cli/common.py):
     0  generated
-    2  bad input: a bad flag value, a --load or --tokenizer that does not exist, an empty prompt, a prompt longer
-       than the model's positions
+    2  bad input: a bad flag value, a --load or --tokenizer that does not exist, no tokenizer to be found, an empty
+       prompt, prompt ids outside the vocab, a prompt longer than the model's positions
     4  an unusable checkpoint: --load is not a checkpoint, or is unreadable
 """
 
@@ -18,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from absl import flags
 
@@ -25,10 +31,12 @@ from mjax.cli.common import BAD_INPUT, CHECKPOINT, fail, no_positional, run
 from mjax.config import ConfigError
 from mjax.logging_setup import setup_logging
 
-flags.DEFINE_string("load", None, "mjax checkpoint directory or Hugging Face model directory.")
+flags.DEFINE_string("load", None, "mjax checkpoint (converted or a training --save directory) or Hugging Face model "
+                    "directory.")
+flags.DEFINE_integer("ckpt_step", None, "--load of a training checkpoint: the step (default: latest).")
 flags.DEFINE_string("prompt", "", "Text to continue.")
 flags.DEFINE_list("prompt_ids", None, "Token ids to continue instead of --prompt (no tokenizer needed).")
-flags.DEFINE_string("tokenizer", None, "tokenizer.json (default: the one in --load).")
+flags.DEFINE_string("tokenizer", None, "A tokenizer.json (default: the tokenizer --load goes with).")
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
 flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0 means all.", lower_bound=0)
@@ -63,22 +71,54 @@ def main(argv) -> int:
         return fail("generate", e, BAD_INPUT)
 
 
+class PromptTokenizer(NamedTuple):
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos: set[int]
+
+
+def _tokenizer(found) -> PromptTokenizer | None:
+    """The prompt's tokenizer, or None when there is none to be found."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    from mjax.convert import tokenizer as tokenizer_io  # noqa: PLC0415
+
+    if FLAGS.tokenizer:
+        if not Path(FLAGS.tokenizer).is_file():
+            raise ConfigError(f"--tokenizer={FLAGS.tokenizer} does not exist")
+        tok = Tokenizer.from_file(FLAGS.tokenizer)
+        return PromptTokenizer(lambda text: tok.encode(text).ids, tok.decode, set())
+    if found.kind == "training":  # the run's own tokenizer, encoding as its data was encoded
+        tok = tokenizer_io.training_tokenizer(found, "--tokenizer or --prompt_ids")
+        if tok is None:
+            return None
+        try:
+            eos = {tok.eod_id}
+        except ConfigError:  # none
+            eos = set()
+        return PromptTokenizer(tok.encode, tok.decode, eos)
+    files = tokenizer_io.find(found)
+    if files is None or files.tokenizer_json is None:
+        return None
+    tok = files.load()
+    return PromptTokenizer(lambda text: tok.encode(text).ids, tok.decode, {files.eos_id()} - {None})
+
+
 def _generate(load: Path) -> int:
     import numpy as np  # noqa: PLC0415
 
     from mjax.convert import load_pretrained, source  # noqa: PLC0415
     from mjax.generate import generate  # noqa: PLC0415
 
-    found = source.resolve(load, flag="--load")
-    tokenizer = None
+    found = source.resolve(load, FLAGS.ckpt_step, flag="--load")
+    tokenizer, stop = None, eos_ids(found.directory)
     if FLAGS.prompt_ids is None:
-        from tokenizers import Tokenizer  # noqa: PLC0415
-
-        path = Path(FLAGS.tokenizer) if FLAGS.tokenizer else load / "tokenizer.json"
-        if not path.exists():
-            raise ConfigError(f"no tokenizer at {path}; pass --tokenizer or --prompt_ids")
-        tokenizer = Tokenizer.from_file(str(path))
-        ids = tokenizer.encode(FLAGS.prompt).ids
+        tokenizer = _tokenizer(found)
+        if tokenizer is None:
+            raise ConfigError(f"no tokenizer goes with --load={load} ({found.kind} checkpoint); pass --tokenizer or "
+                              "--prompt_ids")
+        ids = tokenizer.encode(FLAGS.prompt)
+        stop |= tokenizer.eos
     else:
         try:
             ids = [int(i) for i in FLAGS.prompt_ids]
@@ -94,7 +134,6 @@ def _generate(load: Path) -> int:
     out = generate(model.model_def, model.params, np.asarray([ids], np.int32), FLAGS.max_new_tokens,
                    temperature=FLAGS.temperature, top_k=FLAGS.top_k, seed=FLAGS.seed)
     new = [int(i) for i in np.asarray(out)[0]]
-    stop = eos_ids(load)
     for i, tok in enumerate(new):
         if tok in stop:
             new = new[:i]

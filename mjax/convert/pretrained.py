@@ -1,4 +1,5 @@
-"""`load_pretrained(path)`: an mjax checkpoint directory or a Hugging Face model directory -> (model, Config)."""
+"""`load_pretrained(path)`: a converted mjax checkpoint, a training checkpoint (`scripts/train.py --save`) or a
+Hugging Face model directory -> (model, Config). What the path is is decided by mjax.convert.source."""
 
 import dataclasses
 
@@ -31,22 +32,22 @@ class Pretrained:
         return self._apply(self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
 
 
-def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None) -> tuple[Pretrained, Config]:
-    """Loads `path` (an mjax checkpoint written by `scripts/convert_checkpoint.py` or an HF model directory with
-    config.json + safetensors). Params are cast to `dtype`; the forward pass computes in `compute_dtype`
-    (default: `dtype`). Returns (model, config)."""
+def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None,
+                    step: int | None = None) -> tuple[Pretrained, Config]:
+    """Loads `path`: an mjax checkpoint written by `scripts/convert_checkpoint.py`, a `scripts/train.py --save`
+    directory (its latest step unless `step`; the config saved with it) or an HF model directory with config.json +
+    safetensors; or a `mjax.convert.source.Source`. Params are cast to `dtype`; the forward pass computes in
+    `compute_dtype` (default: `dtype`). Returns (model, config)."""
     from mjax.convert.hf import base_config, params_from_hf  # noqa: PLC0415
     from mjax.model import build_model  # noqa: PLC0415
 
-    found = path if isinstance(path, source.Source) else source.resolve(path, flag="--load")
+    found = path if isinstance(path, source.Source) else source.resolve(path, step, flag="--load")
     path = found.directory
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
-    if found.kind == "converted":
+    if found.kind != "hf":  # converted or training: the same params/ layout (mjax/convert/orbax_io.py)
         cfg = dataclasses.replace(found.config, precision=precision)
         model_def = build_model(cfg.model, precision)
         return Pretrained(model_def, orbax_io.restore(path, model_def.abstract_params()), cfg), cfg
-    if found.kind == "training":
-        raise ConversionError(f"{path} is a training checkpoint; export it with scripts/convert_checkpoint.py")
     model_cfg, flat = params_from_hf(path)
     cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision)
     model_def = build_model(cfg.model, precision)

@@ -1,5 +1,5 @@
 """The tokenizer a checkpoint goes with, as the Hugging Face files AutoTokenizer reads (tokenizer.json +
-tokenizer_config.json): found once here for export (mjax_to_hf) and for scripts/generate.py.
+tokenizer_config.json), found once here for export (mjax_to_hf) and for scripts/generate.py.
 
 Where it is found (`find`):
   hf, converted  the tokenizer files in the directory (hf_to_mjax copied them from the HF model);
@@ -59,40 +59,54 @@ def _config_eos(files: dict[str, Path]) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
+def _named(data) -> str:
+    return f"--data.tokenizer_type={data.tokenizer_type}" + (
+        f" --data.tokenizer_model={data.tokenizer_model}" if data.tokenizer_model else "")
+
+
+def training_tokenizer(src: Source, skip: str):
+    """The mjax tokenizer (mjax.data.tokenizer) a training checkpoint was trained with, built from its saved config
+    as training built it; None for a --mock_data run (it never used one). `skip` names the flag that does without
+    one, for the errors."""
+    data = src.config.data
+    if data.mock_data:
+        log.warning("%s was trained on --mock_data: the tokenizer its config names was never used", src.describe())
+        return None
+    from mjax.data.tokenizer import build_tokenizer  # noqa: PLC0415
+
+    try:
+        tok = build_tokenizer(data)
+    except (ConfigError, FileNotFoundError) as e:
+        raise InputError(f"the tokenizer {src.describe()} was trained with ({_named(data)}, from its saved config) "
+                         f"cannot be read here: {e}; restore it at that path, or pass {skip}") from e
+    vocab = src.config.model.vocab_size
+    if tok.vocab_size > vocab:
+        raise InputError(f"the tokenizer of {src.describe()} ({_named(data)}, from its saved config) has "
+                         f"{tok.vocab_size} tokens, more than the model's vocab of {vocab}: it is not the model's "
+                         f"tokenizer; pass {skip}")
+    return tok
+
+
 def find(src: Source) -> TokenizerFiles | None:
-    """The tokenizer of `src`, or None when a converted or HF directory holds no tokenizer files."""
+    """The tokenizer files of `src`: None when a converted or HF directory holds none, or a --mock_data run."""
     if src.kind != "training":
         files = _files_in(src.directory)
         return TokenizerFiles(files, _config_eos(files), str(src.directory)) if files else None
     data = src.config.data
-    if data.mock_data:
-        log.warning("%s was trained on --mock_data: the tokenizer its config names was never used; none is written",
-                    src.describe())
-        return None
-    named = f"--data.tokenizer_type={data.tokenizer_type}" + (
-        f" --data.tokenizer_model={data.tokenizer_model}" if data.tokenizer_model else "")
     if data.tokenizer_type.lower() in ("tiktoken", "tiktokenizer"):
-        raise InputError(f"{src.describe()} was trained with {named}, which has no Hugging Face tokenizer.json "
-                         "form; export with --skip_tokenizer and ship the tiktoken encoding beside the model")
-    from mjax.data.tokenizer import build_tokenizer  # noqa: PLC0415
-
-    try:
-        tok = build_tokenizer(data)  # resolved exactly as training resolved it
-    except (ConfigError, FileNotFoundError) as e:
-        raise InputError(f"the tokenizer {src.describe()} was trained with ({named}, from its saved config) cannot "
-                         f"be read here: {e}; restore it at that path, or export with --skip_tokenizer") from e
-    vocab = src.config.model.vocab_size
-    if tok.vocab_size > vocab:
-        raise InputError(f"the tokenizer of {src.describe()} ({named}, from its saved config) has {tok.vocab_size} "
-                         f"tokens, more than the model's vocab of {vocab}: it is not the model's tokenizer; export "
-                         "with --skip_tokenizer")
+        raise InputError(f"{src.describe()} was trained with {_named(data)}, which has no Hugging Face "
+                         "tokenizer.json form; export with --skip_tokenizer and ship the tiktoken encoding beside "
+                         "the model")
+    tok = training_tokenizer(src, "--skip_tokenizer")
+    if tok is None:
+        return None
     path = Path(tok.name)  # the tokenizers file it read
     model = Path(data.tokenizer_model).expanduser() if data.tokenizer_model else None
     if model is not None and model.is_dir() and path == model / "tokenizer.json":
         files = _files_in(model)
     else:  # the file itself under the standard name, with the config the training tokenizer read its eos from
         files = {"tokenizer.json": path, **{n: p for n, p in _files_in(path.parent).items() if n == CONFIG}}
-    found = TokenizerFiles(files, None, named)
+    found = TokenizerFiles(files, None, _named(data))
     try:
         eos = found.load().id_to_token(tok.eod_id)  # the end-of-document token training used
     except ConfigError:  # a tokenizer without one

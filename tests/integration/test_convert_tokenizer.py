@@ -8,7 +8,6 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
 import pytest
 from tokenizers import Tokenizer
 
@@ -17,21 +16,13 @@ from mjax.convert import source as sources
 from mjax.convert import tokenizer as tokenizers_io
 from mjax.data.tokenizer import SAMPLE_TOKENIZER, build_tokenizer
 from tests.convert_utils import FIXTURES
-from tests.train_utils import pattern_batches, tiny_config
 
 CORPUS = Path(SAMPLE_TOKENIZER).parent / "sample_corpus.jsonl.gz"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A training checkpoint of the tiny model with the default data config (sample tokenizer, vocab 1024)."""
-    from mjax.train.loop import train
-
-    save = tmp_path_factory.mktemp("run") / "save"
-    cfg = tiny_config(model=dict(vocab_size=1024), train=dict(train_iters=2),
-                      checkpoint=dict(save=str(save), async_save=False))
-    assert cfg.data.tokenizer_type == "sample" and cfg.data.tokenizer_model is None  # what a default run saves
-    train(cfg, data=(pattern_batches(cfg), None), devices=jax.devices()[:1])
+def run(trained_run):
+    save, cfg, _ = trained_run
     return save, cfg
 
 
