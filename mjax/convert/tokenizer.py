@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 class TokenizerFiles:
     files: dict[str, Path]  # name to write -> the file it is copied from
     eos_token: str | None
-    origin: str  # where it came from, for messages
 
     @property
     def tokenizer_json(self) -> Path | None:
@@ -91,7 +90,7 @@ def find(src: Source) -> TokenizerFiles | None:
     """The tokenizer files of `src`: None when a converted or HF directory holds none, or a --mock_data run."""
     if src.kind != "training":
         files = _files_in(src.directory)
-        return TokenizerFiles(files, _config_eos(files), str(src.directory)) if files else None
+        return TokenizerFiles(files, _config_eos(files)) if files else None
     data = src.config.data
     if data.tokenizer_type.lower() in ("tiktoken", "tiktokenizer"):
         raise InputError(f"{src.describe()} was trained with {_named(data)}, which has no Hugging Face "
@@ -106,7 +105,7 @@ def find(src: Source) -> TokenizerFiles | None:
         files = _files_in(model)
     else:  # the file itself under the standard name, with the config the training tokenizer read its eos from
         files = {"tokenizer.json": path, **{n: p for n, p in _files_in(path.parent).items() if n == CONFIG}}
-    found = TokenizerFiles(files, None, _named(data))
+    found = TokenizerFiles(files, None)
     try:
         eos = found.load().id_to_token(tok.eod_id)  # the end-of-document token training used
     except ConfigError:  # a tokenizer without one
