@@ -121,7 +121,12 @@ def test_scan_and_unrolled_layers_agree_and_unrolled_gradients_are_concatenated(
     assert not padded & stacked and " concatenate[" in jaxpr
 
 
-def test_moe_presets_refuse_to_build_clearly():
-    cfg = dataclasses.replace(FAMILIES["llama3"], num_experts=4)
-    with pytest.raises(NotImplementedError, match="MoE layers are not implemented"):
-        build_model(cfg).init(jax.random.key(0))
+def test_moe_models_stack_dense_and_moe_blocks_apart():
+    cfg = dataclasses.replace(FAMILIES["llama3"], num_layers=3, num_experts=4, moe_ffn_hidden_size=16,
+                              moe_first_dense_layers=1)
+    shapes = jax.tree.map(lambda a: a.shape, build_model(cfg).abstract_params())
+    assert shapes["layers"]["mlp"]["up_proj"]["kernel"][0] == 1  # the first layer stays dense
+    assert shapes["moe_layers"]["mlp"]["experts"]["up_proj"]["kernel"] == (2, 4, cfg.hidden_size, 16)
+    assert shapes["moe_layers"]["attn"] == shapes["layers"]["attn"] | {
+        k: jax.tree.map(lambda s: (2, *s[1:]), v, is_leaf=lambda x: isinstance(x, tuple))
+        for k, v in shapes["layers"]["attn"].items()}

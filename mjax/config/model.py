@@ -2,8 +2,15 @@
 
 import dataclasses
 import math
+import re
 
-from mjax.config.base import field
+from mjax.config.base import ConfigError, field
+
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+MOE_GROUPED_GEMM_IMPLS = ("auto", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +97,8 @@ class ModelConfig:
                                         "probs | position: over capacity, drop the lowest-weight or the latest tokens.")
     moe_pad_expert_input_to_capacity: bool = field(False, "moe_pad_expert_input_to_capacity",
                                                     "With a capacity factor: every expert computes exactly capacity rows.")
+    moe_grouped_gemm_impl: str = field("auto", "moe_grouped_gemm_impl",
+                                       "auto | pallas | xla: the expert GEMMs (auto: the Pallas kernel on a GPU).")
 
     @property
     def num_kv_heads(self) -> int:
@@ -99,8 +108,39 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per layer, whether it is an MoE layer: --moe_layer_freq (Megatron: an int N makes layers 0, N, 2N, ...
+        MoE; a pattern such as '[0]*1+[1]*27' lists them), with the first --moe_first_dense_layers forced dense.
+        All False without --num_experts."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        pattern = parse_layer_freq(self.moe_layer_freq, self.num_layers)
+        first = self.moe_first_dense_layers
+        return tuple(False if i < first else bool(p) for i, p in enumerate(pattern))
+
     def padded_vocab_size(self) -> int:
         """Vocab rounded up to make_vocab_size_divisible_by. Unlike Megatron it does not depend on tp, so
         checkpoints restore onto any layout; validation requires it to be divisible by tp."""
         multiple = self.make_vocab_size_divisible_by
         return math.ceil(self.vocab_size / multiple) * multiple
+
+
+def parse_layer_freq(text: str, num_layers: int) -> tuple[int, ...]:
+    """--moe_layer_freq as Megatron reads it: an int N -> [1 if i % N == 0 else 0]; else a pattern of bracketed 0/1
+    lists, each optionally repeated ('*n') and joined by '+', whose length must be --num_layers."""
+    text = str(text).strip()
+    if re.fullmatch(r"\d+", text):
+        n = int(text)
+        if n < 1:
+            raise ConfigError(f"--moe_layer_freq={text}: an interval must be >= 1")
+        return tuple(1 if i % n == 0 else 0 for i in range(num_layers))
+    pattern = []
+    for term in text.replace(" ", "").split("+"):
+        m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", term)
+        if not m:
+            raise ConfigError(f"--moe_layer_freq={text!r}: expected an int or a pattern like '[0]*1+[1]*27' (0 dense, "
+                              "1 MoE)")
+        pattern += [int(v) for v in m.group(1).split(",")] * int(m.group(2) or 1)
+    if len(pattern) != num_layers:
+        raise ConfigError(f"--moe_layer_freq={text!r} describes {len(pattern)} layers, but --num_layers={num_layers}")
+    return tuple(pattern)

@@ -2,6 +2,7 @@
 
 import logging
 
+from mjax.config import model as model_options
 from mjax.config.base import ConfigError
 from mjax.config.sections import Config
 from mjax.kernels import options as kernels
@@ -53,10 +54,7 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(f"RoPE needs an even head dim, got {m.head_dim} (--model.kv_channels)")
     if m.sliding_window is not None:
         positive(m.sliding_window, "model.window_size")
-    if m.num_experts is not None:
-        raise ConfigError(f"model {m.name!r} has --num_experts={m.num_experts}: MoE layers are not implemented yet")
-    if cfg.parallel.ep > 1:
-        raise ConfigError(f"--ep={cfg.parallel.ep} needs MoE layers (--num_experts), which are not implemented yet")
+    validate_moe(cfg)
     if m.num_attention_heads % tp:
         raise ConfigError(f"--model.num_attention_heads={m.num_attention_heads} is not divisible by --tp={tp}")
     if m.num_kv_heads % tp and tp % m.num_kv_heads:
@@ -78,6 +76,75 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"--seq_length={cfg.train.seq_length} exceeds --model.max_position_embeddings="
             f"{m.max_position_embeddings} of the learned position table")
+
+
+def validate_moe(cfg: Config) -> None:
+    """--num_experts and the --moe_* flags (mjax/model/moe.py, mjax/model/router.py)."""
+    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    if p.ep > 1:
+        raise ConfigError(f"--ep={p.ep}: expert parallelism is not implemented yet; use --ep=1 (MoE models train "
+                          "under dp / fsdp / tp / pp)")
+    if m.num_experts is None:
+        return
+    positive(m.num_experts, "num_experts")
+    e, k = m.num_experts, m.moe_router_topk
+    if not 1 <= k <= e:
+        raise ConfigError(f"--moe_router_topk={k} must be between 1 and --num_experts={e}")
+    choice(m.moe_router_score_function, model_options.MOE_SCORE_FUNCTIONS, "moe_router_score_function")
+    choice(m.moe_router_load_balancing_type, model_options.MOE_LOAD_BALANCING_TYPES, "moe_router_load_balancing_type")
+    choice(m.moe_token_drop_policy, model_options.MOE_DROP_POLICIES, "moe_token_drop_policy")
+    choice(m.moe_router_dtype, model_options.MOE_ROUTER_DTYPES, "moe_router_dtype")
+    choice(m.moe_grouped_gemm_impl, model_options.MOE_GROUPED_GEMM_IMPLS, "moe_grouped_gemm_impl")
+    pattern = m.moe_layer_pattern()  # raises for a malformed --moe_layer_freq
+    if not any(pattern):
+        raise ConfigError(f"--num_experts={e} but no layer is MoE (--moe_layer_freq={m.moe_layer_freq}, "
+                          f"--moe_first_dense_layers={m.moe_first_dense_layers})")
+    if not 0 <= m.moe_first_dense_layers < m.num_layers:
+        raise ConfigError(f"--moe_first_dense_layers={m.moe_first_dense_layers} must be in 0..{m.num_layers - 1}")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(m, name) is not None:
+            positive(getattr(m, name), name)
+            if getattr(m, name) % tp:
+                raise ConfigError(f"--{name}={getattr(m, name)} is not divisible by --tp={tp}")
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
+        raise ConfigError("--moe_shared_expert_gate needs --moe_shared_expert_intermediate_size (the shared experts)")
+    if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
+        raise ConfigError("group-limited routing needs both --moe_router_num_groups and --moe_router_group_topk")
+    if m.moe_router_num_groups is not None:
+        groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+        if groups < 1 or e % groups:
+            raise ConfigError(f"--moe_router_num_groups={groups} must divide --num_experts={e}")
+        if not 1 <= chosen <= groups or k > chosen * (e // groups):
+            raise ConfigError(f"--moe_router_group_topk={chosen} must be in 1..{groups} and its groups must hold the "
+                              f"--moe_router_topk={k} experts ({e // groups} experts per group)")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe_router_enable_expert_bias needs --moe_router_score_function=sigmoid (as in "
+                          "Megatron-LM)")
+    if m.moe_aux_loss_coeff < 0 or m.moe_z_loss_coeff < 0:
+        raise ConfigError("--moe_aux_loss_coeff and --moe_z_loss_coeff must be >= 0")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe_expert_capacity_factor={m.moe_expert_capacity_factor} must be positive (unset it for "
+                          "dropless)")
+    if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe_pad_expert_input_to_capacity needs --moe_expert_capacity_factor")
+    if m.add_bias_linear:
+        raise ConfigError("--add_bias_linear: MoE experts have no biases; unset it for MoE models")
+    if cfg.precision.fp8_recipe or cfg.precision.fp4_recipe:
+        raise ConfigError("MoE expert GEMMs have no FP8/FP4 path yet: train MoE models without --fp8_recipe / "
+                          "--fp4_recipe")
+    if p.pp > 1:
+        stage = m.num_layers // (p.pp * p.vpp)
+        if any(pattern[i] != pattern[i % stage] for i in range(m.num_layers)):
+            raise ConfigError(f"--pp={p.pp} x --vpp={p.vpp}: every pipeline stage runs one SPMD program, so each stage's "
+                              f"{stage} layers must have the same dense/MoE pattern; --moe_layer_freq="
+                              f"{m.moe_layer_freq} with --moe_first_dense_layers={m.moe_first_dense_layers} does not")
+        if p.vpp > 1:
+            raise ConfigError(f"--vpp={p.vpp} with MoE layers is not supported yet; use --vpp=1 (gpipe or 1f1b)")
+        for flag, bad in (("moe_router_load_balancing_type=global_aux_loss",
+                           m.moe_router_load_balancing_type == "global_aux_loss"),
+                          ("moe_router_force_load_balancing", m.moe_router_force_load_balancing)):
+            if bad:
+                raise ConfigError(f"--{flag} is not supported with --pp > 1 yet")
 
 
 def validate_pipeline(cfg: Config) -> None:

@@ -49,10 +49,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mjax.config.model import MOE_DROP_POLICIES as DROP_POLICIES
+from mjax.config.model import MOE_LOAD_BALANCING_TYPES as LOAD_BALANCING_TYPES
+from mjax.config.model import MOE_SCORE_FUNCTIONS as SCORE_FUNCTIONS
+
 ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64}
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-DROP_POLICIES = ("probs", "position")
 _NORM_EPS = 1e-20  # Megatron's guard on the sum of the selected sigmoid scores
 
 

@@ -1,4 +1,9 @@
-"""Decoder-only transformer: pre-norm blocks stacked on a leading `layers` axis and run with scan."""
+"""Decoder-only transformer: pre-norm blocks stacked on a leading `layers` axis and run with scan.
+
+Dense blocks live stacked in `layers` [L_dense, ...], MoE blocks (attention + mjax.model.moe.MoE as `mlp`) in
+`moe_layers` [L_moe, ...]; ModelConfig.moe_layer_pattern() says which kind each layer of the model is, and runs of
+consecutive layers of one kind are scanned as one.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,19 +15,24 @@ from mjax.kernels.attention import ATTN_CORE, is_attention_kernel
 from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
+from mjax.model.moe import MoE
 from mjax.model.sharding import constrain, param
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")
+STACKS = ("layers", "moe_layers")  # the stacked-layer params: dense blocks, MoE blocks
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, rngs: nnx.Rngs):
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
+        ffn = MoE if moe else MLP
+        self.mlp = ffn(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids):  # x: [B, T, D]
+    def __call__(self, x, positions, segment_ids, moe_key=None):
+        """x [B, T, D] -> (x [B, T, D], the MoE layer's stats or None). `moe_key`: the router noise of
+        --moe_router_force_load_balancing."""
         # The named scopes label the compiled ops (and so the profile, mjax/train/profile.py) by model part.
         with jax.named_scope("norm"):
             h = checkpoint_name(self.attn_norm(x), "norm")
@@ -30,8 +40,12 @@ class Block(nnx.Module):
             x = constrain(x + self.attn(h, positions, segment_ids), RESIDUAL)
         with jax.named_scope("norm"):
             h = checkpoint_name(self.mlp_norm(x), "norm")
+        if isinstance(self.mlp, MoE):
+            with jax.named_scope("moe"):
+                y, stats = self.mlp(h, key=moe_key)
+                return constrain(x + y, RESIDUAL), stats
         with jax.named_scope("mlp"):
-            return constrain(x + self.mlp(h), RESIDUAL)
+            return constrain(x + self.mlp(h), RESIDUAL), None
 
 
 def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
@@ -64,14 +78,12 @@ def split_stacked(tree, sizes):
 
 
 class CausalLM(nnx.Module):
-    """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Layers live stacked in `self.layers`.
+    """Token ids [B, T] -> logits [B, T, padded vocab] (fp32). Dense blocks live stacked in `self.layers`, MoE
+    blocks in `self.moe_layers` (each present only when the model has layers of that kind).
 
     `quant` (a mjax.kernels.quant.QuantPolicy or None) is the precision policy of the linear layers."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, rngs: nnx.Rngs):
-        if cfg.num_experts is not None:
-            raise NotImplementedError(
-                f"model {cfg.name!r} has num_experts={cfg.num_experts}: MoE layers are not implemented yet")
         self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
@@ -82,16 +94,11 @@ class CausalLM(nnx.Module):
         if cfg.position_embedding_type == "learned":
             self.pos_embed = param(cfg.init_method_std * jax.random.normal(
                 rngs.params(), (cfg.max_position_embeddings, d), param_dtype), (None, "embed"))
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs):
-            return Block(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
-
-        self.layers = make_layers(rngs)
-        for _, var in nnx.iter_graph(self.layers):  # stacked params gain a leading `layers` axis
-            if isinstance(var, nnx.Variable):
-                var.set_metadata("logical_axes", ("layers",) + var.get_metadata()["logical_axes"])
+        pattern = cfg.moe_layer_pattern()
+        for name, moe, count in (("layers", False, pattern.count(False)), ("moe_layers", True, pattern.count(True))):
+            if count:
+                setattr(self, name, _stacked_blocks(cfg, count, moe, dtype=dtype, param_dtype=param_dtype,
+                                                    quant=quant, rngs=rngs))
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if not tied:
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
@@ -108,46 +115,77 @@ class CausalLM(nnx.Module):
                 x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
             return constrain(x, RESIDUAL)
 
-    def run_layers(self, x, positions, segment_ids):
-        """The stacked blocks over x [B, T, D]. A pipeline stage binds only its own slice of `layers`, so the
-        number of layers run is the leading dim of the stacked params, not cfg.num_layers."""
+    def run_layers(self, x, positions, segment_ids, moe_keys=None):
+        """The stacked blocks over x [B, T, D] -> (x, MoE stats: each key stacked [MoE layers run, ...]; {} without
+        MoE layers). A pipeline stage binds only its own slices of the stacks, so the layers run are the leading
+        dims of the bound stacks, in the kinds' order of the model's first layers (a stage's pattern is the first
+        stage's, which validation ensures). `moe_keys` [MoE layers run]: router noise keys
+        (--moe_router_force_load_balancing), or None."""
         cfg = self.cfg
-        graphdef, state = nnx.split(self.layers)
-
-        def make_layer(quantized):
-            def layer(x, layer_state):
-                block = nnx.merge(graphdef, layer_state)
-                return (block if quantized else without_quant(block))(x, positions, segment_ids), None
-
-            policy = remat_policy(cfg, self.quant.remat_keeps if self.quant is not None and quantized else ())
-            return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
-
-        n = jax.tree.leaves(state)[0].shape[0]
-        segments = self._layer_segments(n)
-        for (start, stop, quantized), seg in zip(segments, split_stacked(state, [b - a for a, b, _ in segments])):
-            layer = make_layer(quantized)
+        split = {name: nnx.split(getattr(self, name)) for name in STACKS if hasattr(self, name)}
+        counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}
+        pattern = cfg.moe_layer_pattern()[:sum(counts.values())]
+        segments = self._layer_segments(pattern)
+        parts = {name: iter(split_stacked(split[name][1], [b - a for s, a, b, _ in segments if s == name]))
+                 for name in split}
+        keys = iter(split_stacked(moe_keys, [b - a for s, a, b, _ in segments if s == "moe_layers"])
+                    if moe_keys is not None else [])
+        stats = []
+        for name, start, stop, quantized in segments:
+            layer = self._layer_fn(split[name][0], positions, segment_ids, quantized)
+            seg = (next(parts[name]), next(keys) if moe_keys is not None and name == "moe_layers" else None)
             if cfg.scan_layers:
-                x, _ = jax.lax.scan(layer, x, seg)
+                x, out = jax.lax.scan(layer, x, seg)
             else:
+                outs = []
                 for one in split_stacked(seg, [1] * (stop - start)):
-                    x, _ = layer(x, jax.tree.map(lambda a: jnp.squeeze(a, 0), one))
-        return x
+                    x, o = layer(x, jax.tree.map(lambda a: jnp.squeeze(a, 0), one))
+                    outs.append(jax.tree.map(lambda a: a[None], o))
+                out = jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if outs[0] is not None else None
+            if name == "moe_layers":
+                stats.append(out)
+        return x, (jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else {})
 
-    def _layer_segments(self, n: int) -> list[tuple[int, int, bool]]:
-        """(start, stop, quantized) runs of layers: --first_last_layers_bf16 keeps the ends in compute dtype, each
-        run scanned separately (the quantized/bf16 choice is static, so one scan cannot switch it)."""
-        if self.quant is None or self.quant.bf16_layers == (0, 0):
-            return [(0, n, self.quant is not None)]
-        first, last = self.quant.bf16_layers
-        bounds = [(0, first, False), (first, n - last, True), (n - last, n, False)]
-        return [b for b in bounds if b[1] > b[0]]
+    def _layer_fn(self, graphdef, positions, segment_ids, quantized: bool):
+        """One block as a scan body: (x, (layer state, router key)) -> (x, MoE stats or None), under remat."""
+        cfg = self.cfg
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None):
-        """The final-norm output [B, T, D] in compute dtype."""
+        def layer(x, xs):
+            layer_state, key = xs
+            block = nnx.merge(graphdef, layer_state)
+            return (block if quantized else without_quant(block))(x, positions, segment_ids, key)
+
+        policy = remat_policy(cfg, self.quant.remat_keeps if self.quant is not None and quantized else ())
+        return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+
+    def _layer_segments(self, pattern) -> list[tuple[str, int, int, bool]]:
+        """(stack, start, stop within the stack, quantized) runs of consecutive layers of one kind and precision, in
+        model order: --first_last_layers_bf16 keeps the ends in compute dtype, and each run is scanned separately
+        (the block kind and the quantized/bf16 choice are static, so one scan cannot switch them)."""
+        n = len(pattern)
+        first, last = (0, 0) if self.quant is None else self.quant.bf16_layers
+        runs, seen = [], {name: 0 for name in STACKS}
+        for i, moe in enumerate(pattern):
+            name = STACKS[int(moe)]
+            key = (name, self.quant is not None and first <= i < n - last)
+            if runs and (runs[-1][0], runs[-1][3]) == key:
+                runs[-1][2] += 1
+            else:
+                runs.append([name, seen[name], seen[name] + 1, key[1]])
+            seen[name] += 1
+        return [tuple(r) for r in runs]
+
+    def forward(self, tokens, positions=None, segment_ids=None, moe_keys=None):
+        """(the final-norm output [B, T, D] in compute dtype, MoE stats of run_layers)."""
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed_tokens(tokens, positions)
-        return self.final_norm(self.run_layers(x, positions, segment_ids))
+        x, stats = self.run_layers(x, positions, segment_ids, moe_keys)
+        return self.final_norm(x), stats
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None):
+        """The final-norm output [B, T, D] in compute dtype."""
+        return self.forward(tokens, positions, segment_ids)[0]
 
     def output_layer(self):
         """(weight, vocab axis, precision policy, FP8 scales) of the output layer: the tied embedding [V, D] (axis 0)
@@ -165,3 +203,17 @@ class CausalLM(nnx.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         return self.logits(self.hidden_states(tokens, positions, segment_ids))
+
+
+def _stacked_blocks(cfg, count: int, moe: bool, **kwargs):
+    """`count` Blocks with their params stacked on a leading `layers` axis."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(cfg, moe=moe, **{k: v for k, v in kwargs.items() if k != "rngs"}, rngs=rngs)
+
+    blocks = make(kwargs["rngs"])
+    for _, var in nnx.iter_graph(blocks):  # stacked params gain a leading `layers` axis
+        if isinstance(var, nnx.Variable):
+            var.set_metadata("logical_axes", ("layers",) + var.get_metadata()["logical_axes"])
+    return blocks

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from mjax.config.validate import pipeline_schedule
 from mjax.model.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b
-from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, per_stage_zeros,
-                                          run_layers, shift)
+from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
+                                          per_stage_zeros, run_layers, shift, split_params, stored_order_sums)
 from mjax.parallel.rules import BATCH_AXES
 
 
@@ -73,26 +73,28 @@ def my_chunks(local: dict, pp: int, vpp: int) -> dict:
     return jax.tree.map(one, local)
 
 
-def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool):
+def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool, moe_weight=0.0):
     """The pipelined counterpart of train/step.py's accumulation scan: the gradients of weight x the summed loss of
-    the micro-batches in `batch` (arrays [M, B, T]). token_loss(module, h, micro) -> (loss sum, z sum) of one
-    micro-batch from its final hidden states h [B, T, D]. Returns (grads, loss sum, z sum, measured bubble)."""
+    the micro-batches in `batch` (arrays [M, B, T]) plus moe_weight x the MoE layers' objective terms. token_loss(
+    module, h, micro) -> (loss sum, z sum) of one micro-batch from its final hidden states h [B, T, D]. Returns
+    (grads, loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
-    layers, rest = params["layers"], {k: v for k, v in params.items() if k != "layers"}
+    stacks, rest = split_params(params)
     if pipeline_schedule(pcfg) == "1f1b":
-        grads, loss_sum, z_sum, busy = pipeline_1f1b.run(model, token_loss, use_segments, pp, layers, rest, batch,
-                                                          weight)
+        grads, loss_sum, z_sum, busy, moe_sums = pipeline_1f1b.run(model, token_loss, use_segments, pp, stacks, rest,
+                                                                    batch, weight, moe_weight)
         slots = pipeline_1f1b.num_slots(pp, num)
     else:
-        def loss(layers, rest):
-            outputs, busy = _forward(model, use_segments, pp, vpp, layers, rest, batch)
+        def loss(stacks, rest):
+            outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch)
             value, (loss_sum, z_sum) = head_loss(model, token_loss, rest, outputs, batch, weight, pp)
-            return value, (loss_sum, z_sum, busy)
+            return value + moe_weight * moe_obj, (loss_sum, z_sum, busy, moe_sums)
 
-        (d_layers, d_rest), (loss_sum, z_sum, busy) = jax.grad(loss, argnums=(0, 1), has_aux=True)(layers, rest)
-        grads = {**d_rest, "layers": d_layers}
+        (d_stacks, d_rest), (loss_sum, z_sum, busy, moe_sums) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+            stacks, rest)
+        grads = {**d_rest, **d_stacks}
         slots = vpp * num + pp - 1  # ticks; the backward mirrors them
-    return grads, loss_sum, z_sum, 1.0 - busy / (slots * pp)
+    return grads, loss_sum, z_sum, 1.0 - busy / (slots * pp), stored_order_sums(moe_sums, pp)
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):
@@ -107,20 +109,22 @@ def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: 
                          f"{shards} data-parallel shards")
     # [B, T] -> [M, B / M, T]: row i of micro-batch m is sample i M + m, so no sample changes device.
     micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(size // num, num, *a.shape[1:]), 0, 1), batch)
-    layers, rest = params["layers"], {k: v for k, v in params.items() if k != "layers"}
-    outputs, _ = _forward(model, use_segments, pcfg.pp, pcfg.vpp, layers, rest, micro)
+    stacks, rest = split_params(params)
+    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro)[0]
     return head_sums(model, token_loss, rest, outputs, micro, pcfg.pp)
 
 
 def _forward(model, use_segments, pp, vpp, layers, rest, batch):
     """Runs the M micro-batches through the pp x vpp virtual stages in GPipe order. Returns the last virtual stage's
-    outputs [M, B, T, D] and the number of (device, tick) slots that did useful work."""
+    outputs [M, B, T, D], the number of (device, tick) slots that did useful work, the MoE objective terms summed
+    over stages and micro-batches, and the MoE sums per device [pp, ...] ({} without MoE layers; vpp = 1)."""
     num = batch["inputs"].shape[0]
     if vpp > 1:
         layers = manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS))(layers)
     x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
     carry = {"received": per_stage_zeros(pp, x), "outputs": per_stage_zeros(pp, x, num),  # [pp, (M,) B, T, D]
-             "busy": jnp.zeros((pp,), jnp.int32)}
+             "busy": jnp.zeros((pp,), jnp.int32), "moe_obj": jnp.zeros((pp,), jnp.float32),
+             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments)}
     if vpp > 1:  # device 0 keeps what the last device finished until its next round starts
         carry["circulating"] = per_stage_zeros(pp, x, num)
 
@@ -134,7 +138,9 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
         if vpp > 1:
             first = jnp.where(r == 0, first, c["circulating"][m])
         x = jnp.where(s == 0, first, c["received"])
-        y = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments)
+        y, obj, sums = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments)
+        c["moe_obj"] += jnp.where(valid, obj, 0.0)
+        c["moe_sums"] = jax.tree.map(lambda a, b: a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
         done = valid & (s == pp - 1) & (r == vpp - 1)
         c["outputs"] = c["outputs"].at[m].set(jnp.where(done, y, c["outputs"][m]))
         c["received"] = shift(y, pp, +1, circular=vpp > 1)
@@ -156,4 +162,4 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
         return run_stage(layers, carry, per_stage_zeros(pp, x).at[0].set(first), t, batch), None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(vpp * num + pp - 1))
-    return carry["outputs"][pp - 1], jnp.sum(carry["busy"])
+    return carry["outputs"][pp - 1], jnp.sum(carry["busy"]), jnp.sum(carry["moe_obj"]), carry["moe_sums"]

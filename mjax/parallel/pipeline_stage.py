@@ -12,8 +12,9 @@ devices (one [B, T, D] collective) for the lookup's gradient.
 import jax
 import jax.numpy as jnp
 
+from mjax.model import moe_terms
 from mjax.model.sharding import current_logical_sharding, logical_sharding
-from mjax.model.transformer import default_positions
+from mjax.model.transformer import STACKS, default_positions
 
 AXIS = "pipeline"
 
@@ -46,15 +47,40 @@ def positions(micro: dict):
     return micro["positions"] if "positions" in micro else default_positions(micro["inputs"])
 
 
+def split_params(params: dict) -> tuple[dict, dict]:
+    """(the stacked layers: {"layers": ..., "moe_layers": ...} as the model has them, every other param)."""
+    stacks = {k: v for k, v in params.items() if k in STACKS}
+    return stacks, {k: v for k, v in params.items() if k not in STACKS}
+
+
 def embed(model, rest: dict, micro: dict):
-    """Token ids [B, T] -> the first stage's input [B, T, D]. `rest` holds the params other than `layers`."""
+    """Token ids [B, T] -> the first stage's input [B, T, D]. `rest` holds the params other than the layers."""
     return model.bind(rest).embed_tokens(micro["inputs"], positions(micro))
 
 
-def run_layers(model, layers: dict, x, micro: dict, use_segments: bool):
-    """A slice of the stacked layers (leading dim = its layer count) over x [B, T, D]."""
+def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool):
+    """A slice of the stacked layers (leading dims = their layer counts) over x [B, T, D] -> (y [B, T, D], the MoE
+    objective terms of these layers (0 without MoE layers), their MoE step sums ({} without))."""
     segments = micro.get("segment_ids") if use_segments else None
-    return model.bind({"layers": layers}).run_layers(x, positions(micro), segments)
+    y, stats = model.bind(stacks).run_layers(x, positions(micro), segments)
+    if not stats:
+        return y, jnp.zeros((), jnp.float32), {}
+    counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)  # global_aux_loss: not with pp > 1
+    terms, _, sums = moe_terms.objective(stats, model.cfg, counts, jnp.zeros((), jnp.int32))
+    return y, terms.astype(jnp.float32), sums
+
+
+def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool):
+    """Zeros [pp, ...] shaped as one device's run_layers MoE step sums (its 1 / pp of each stack), or {}."""
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // pp, *a.shape[1:]), a.dtype), stacks)
+    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s, x, m, use_segments)[2], local, x, micro)
+    return jax.tree.map(lambda a: jnp.zeros((pp, *a.shape), jnp.float32), sums)
+
+
+def stored_order_sums(sums: dict, pp: int) -> dict:
+    """The per-device MoE sums [pp, ...] of a vpp = 1 pipeline -> the step's sums: per-layer counts [pp, L/pp, E] in
+    the stacked (stored) layer order [L, E], scalars summed over the devices."""
+    return {k: v.reshape(-1, *v.shape[2:]) if v.ndim > 2 else v.sum(0) for k, v in sums.items()}
 
 
 def head(model, token_loss, rest: dict, y, micro: dict):

@@ -13,13 +13,17 @@ def flops_per_token_terms(m):
     """(linear FLOPs per token, attention-core FLOPs per unit of sum(seq^2)) for fwd + bwd (factor 6 = 3 GEMMs x 2).
 
     Megatron-LM `num_floating_point_operations` (core_v0.12+): causal attention counted as half of the square.
-    Sliding windows are not discounted, as in Megatron.
+    Sliding windows are not discounted, as in Megatron. MoE layers count their top-k routed experts and the shared
+    experts (Megatron's MoE term; the router GEMM is not counted, as in Megatron).
     """
     h, f, layers = m.hidden_size, m.ffn_hidden_size, m.num_layers
     expansion = 3 if m.activation == "swiglu" else 2
     q = m.head_dim * m.num_attention_heads
     kv = m.head_dim * m.num_kv_heads
-    mlp = 6 * h * f * expansion * layers
+    moe_layers = m.moe_layer_pattern().count(True)
+    routed = (m.moe_ffn_hidden_size or f) * (m.moe_router_topk if moe_layers else 0)
+    shared = m.moe_shared_expert_intermediate_size or 0
+    mlp = 6 * h * expansion * (f * (layers - moe_layers) + (routed + shared) * moe_layers)
     attn_linear = 6 * (h * (q + 2 * kv) + q * h) * layers
     logits = 6 * h * m.padded_vocab_size()
     attn_core = 6 * q * layers  # per token pair: (/2 causal) x (2 for QK^T and AV) x 3 GEMM passes x 2 FLOPs

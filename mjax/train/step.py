@@ -8,18 +8,19 @@ import optax
 from mjax.kernels.cross_entropy import cross_entropy_reference
 from mjax.kernels.fused_cross_entropy import fused_cross_entropy_sums
 from mjax.kernels.quant import per_tensor_spec
+from mjax.model import moe_terms
 from mjax.parallel import pipeline
 from mjax.train import fp8_state
 from mjax.train.state import TrainState
 
 
-def hidden_states(model, params, micro, use_segments: bool, fp8=None):
-    """(bound module, final hidden states [B, T, D]) of one micro-batch. Segment ids reach attention only when
-    documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
+def hidden_states(model, params, micro, use_segments: bool, fp8=None, moe_keys=None):
+    """(bound module, final hidden states [B, T, D], MoE stats) of one micro-batch. Segment ids reach attention only
+    when documents are masked from each other (--reset_attention_mask), so plain causal runs keep fast kernels.
     fp8: the FP8 scales (TrainState.fp8.scales) when the model has FP8 layers."""
     module = model.bind(params, fp8 or None)
     segments = micro.get("segment_ids") if use_segments else None
-    return module, module.hidden_states(micro["inputs"], micro.get("positions"), segments)
+    return module, *module.forward(micro["inputs"], micro.get("positions"), segments, moe_keys)
 
 
 @jax.named_scope("loss")
@@ -50,10 +51,18 @@ def make_train_step(model, cfg, tx, schedule):
     def micro_sums(module, h, micro):  # (loss sum, z sum); also what each pipeline stage's head computes
         return head_sums(module, h, micro, cfg.model, z_coeff)
 
-    def micro_loss(params, fp8_scales, micro, denom, scale):
-        module, h = hidden_states(model, params, micro, use_segments, fp8_scales)
+    num_moe = cfg.model.moe_layer_pattern().count(True)
+
+    def micro_loss(params, fp8_scales, micro, denom, scale, moe_carry):
+        counts, m, keys, num_micro = moe_carry
+        module, h, stats = hidden_states(model, params, micro, use_segments, fp8_scales, keys)
         total, z = micro_sums(module, h, micro)
-        return total * scale / denom, (total, z)
+        objective = total * scale / denom
+        sums = {}
+        if stats:  # the MoE layers' load-balancing and router z-loss terms (model/moe_terms.py)
+            terms, counts, sums = moe_terms.objective(stats, cfg.model, counts, m)
+            objective = objective + scale * terms / num_micro
+        return objective, (total, z, counts, sums)
 
     @jax.named_scope("optimizer")
     def optimizer_update(state, grads):  # (global grad norm, new params, new optimizer state)
@@ -65,32 +74,51 @@ def make_train_step(model, cfg, tx, schedule):
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         return grad_norm, optax.apply_updates(state.params, updates), new_opt
 
+    def moe_zeros():  # the MoE carry of the accumulation: running top-k counts, the step's router sums
+        if not num_moe:
+            return jnp.zeros(()), {}
+        e = cfg.model.num_experts
+        sums = {"moe_aux_loss": jnp.zeros(()), "moe_z_loss": jnp.zeros(()), "dropped_assignments": jnp.zeros(()),
+                "tokens_per_expert": jnp.zeros((num_moe, e)), "kept_tokens_per_expert": jnp.zeros((num_moe, e))}
+        return moe_terms.zero_counts((num_moe, e)), sums
+
     def step(state: TrainState, batch):
+        num_micro = batch["inputs"].shape[0]
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         scale = state.loss_scale.scale if fp16 else jnp.ones((), jnp.float32)
         # The FP8 scales' "gradients" are the amaxes each layer observed (kernels/fp8.py): max over micro-batches.
         fp8_scales = state.fp8.scales if state.fp8 is not None else {}
         grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
 
-        def accumulate(carry, micro):
-            grads, amaxes, loss_sum, z_sum = carry
-            (g, a), (l, z) = grad_fn(state.params, fp8_scales, micro, denom, scale)
+        def accumulate(carry, xs):
+            grads, amaxes, loss_sum, z_sum, counts, moe_sums = carry
+            micro, m = xs
+            keys = (moe_terms.router_keys(state.rng, state.step, m, num_moe)
+                    if cfg.model.moe_router_force_load_balancing else None)
+            (g, a), (l, z, counts, sums) = grad_fn(state.params, fp8_scales, micro, denom, scale,
+                                                   (counts, m, keys, num_micro))
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.maximum, amaxes, a), loss_sum + l,
-                    z_sum + z), None
+                    z_sum + z, counts, jax.tree.map(jnp.add, moe_sums, sums)), None
 
         pipeline_metrics = {}
         if cfg.parallel.pp > 1:  # the micro-batches stream through pipeline stages instead
-            grads, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"] = pipeline.loss_and_grads(
-                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments)
+            grads, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
+                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments, scale / num_micro)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            counts, moe_sums = moe_zeros()
             init = (zeros, jax.tree.map(jnp.zeros_like, fp8_scales), jnp.zeros((), jnp.float32),
-                    jnp.zeros((), jnp.float32))
-            (grads, amaxes, loss_sum, z_sum), _ = jax.lax.scan(accumulate, init, batch)
+                    jnp.zeros((), jnp.float32), counts, moe_sums)
+            (grads, amaxes, loss_sum, z_sum, _, moe_sums), _ = jax.lax.scan(
+                accumulate, init, (batch, jnp.arange(num_micro)))
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
         grad_norm, new_params, new_opt = optimizer_update(state, grads)
+        moe_metrics = {}
+        if num_moe:
+            new_params = moe_terms.update_expert_bias(new_params, moe_sums["kept_tokens_per_expert"], cfg.model)
+            moe_metrics = moe_terms.metrics(moe_sums, num_micro)
         loss_finite = jnp.isfinite(loss)
         finite = loss_finite & jnp.isfinite(grad_norm)
 
@@ -115,7 +143,7 @@ def make_train_step(model, cfg, tx, schedule):
             fp8=new_fp8)
         metrics = {"loss": loss, "grad_norm": grad_norm, "z_loss": z_sum / denom, "num_tokens": denom,
                    "loss_scale": state.loss_scale.scale, "update_applied": apply,
-                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats, **pipeline_metrics}
+                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats, **pipeline_metrics, **moe_metrics}
         return new_state, metrics
 
     return step
@@ -128,6 +156,7 @@ def make_eval_step(model, cfg):
     def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
         if cfg.parallel.pp > 1:  # through the stages, rather than gathering every layer onto every device
             return pipeline.loss_sums(model, cfg.parallel, params, batch, masked_sums, cfg.data.reset_attention_mask)
-        return masked_sums(*hidden_states(model, params, batch, cfg.data.reset_attention_mask, fp8), batch)
+        module, h, _ = hidden_states(model, params, batch, cfg.data.reset_attention_mask, fp8)
+        return masked_sums(module, h, batch)
 
     return eval_step
