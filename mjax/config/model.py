@@ -39,6 +39,11 @@ class ModelConfig:
     add_qkv_bias: bool = field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
     untie_embeddings_and_output_weights: bool = field(True, "untie_embeddings_and_output_weights")
     sliding_window: int | None = field(None, "window_size", "Sliding-window attention span (Mistral).")
+    qk_layernorm: bool = field(False, "qk_layernorm", "Normalize queries and keys (--normalization) per head before "
+                               "RoPE (Qwen3).")
+    qk_layernorm_across_heads: bool = field(
+        False, "qk_layernorm_across_heads", "With --qk_layernorm: one norm over all heads' features of Q and of K "
+        "(OLMoE) instead of one per head.")
     init_method_std: float = field(0.02, "init_method_std")
     attention_impl: str = field("auto", "attention_impl", "auto | xla | cudnn | pallas")
     qkv_grad_impl: str = field(

@@ -66,6 +66,11 @@ def validate_model(cfg: Config) -> None:
             f"--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection (KV heads split over tp); got "
             f"--position_embedding_type={m.position_embedding_type}, --model.num_query_groups={m.num_kv_heads}, "
             f"--tp={tp}; use --model.qkv_grad_impl=auto or xla")
+    if m.qkv_grad_impl == "pallas" and m.qk_layernorm:
+        raise ConfigError("--model.qkv_grad_impl=pallas fuses the QKV split with RoPE, which --qk_layernorm puts a norm "
+                          "between; use --model.qkv_grad_impl=auto or xla")
+    if m.qk_layernorm_across_heads and not m.qk_layernorm:
+        raise ConfigError("--qk_layernorm_across_heads needs --qk_layernorm")
     if m.padded_vocab_size() % tp:
         raise ConfigError(
             f"the padded vocab {m.padded_vocab_size()} is not divisible by --tp={tp}; set "

@@ -4,7 +4,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import dot_product_attention
-from mjax.model.layers import Linear, fused_linear, fused_product, output_std
+from mjax.model.layers import Linear, fused_linear, fused_product, make_norm, output_std
 from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv, use_qkv_grad_kernel
 from mjax.model.sharding import constrain, splits_evenly
 
@@ -22,6 +22,11 @@ class Attention(nnx.Module):
         self.o_proj = Linear((n, h), (d,), in_axes=("heads", "head_dim"), out_axes=("embed",), std=output_std(cfg),
                              use_bias=cfg.add_bias_linear, dtype=dtype, param_dtype=param_dtype, quant=quant,
                              rngs=rngs)
+        if cfg.qk_layernorm:  # Megatron's q_layernorm / k_layernorm: per head, or (OLMoE) over all heads at once
+            across = cfg.qk_layernorm_across_heads
+            norm = lambda heads: make_norm(cfg, features=heads * h if across else h, dtype=dtype,  # noqa: E731
+                                           param_dtype=param_dtype)
+            self.q_norm, self.k_norm = norm(n), norm(k)
 
     def project_qkv(self, x, positions):
         """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied. One GEMM (Megatron's linear_qkv)
@@ -33,16 +38,23 @@ class Attention(nnx.Module):
         fused = splits_evenly("kv_heads", k)
         shapes = ((k, n // k, h), (k, 1, h), (k, 1, h))
         rope = cfg.position_embedding_type == "rope"
-        if fused and rope and use_qkv_grad_kernel(cfg.qkv_grad_impl, h):
+        if fused and rope and not cfg.qk_layernorm and use_qkv_grad_kernel(cfg.qkv_grad_impl, h):
             y = fused_product(x, parts, shapes, axis=1)  # [B, T, K, G + 2, H]
             q, k_, v = split_qkv(y, *rope_cos_sin(positions, rope_frequencies(cfg)))
             return self._constrain(q, k_, v)
         q, k_, v = fused_linear(x, parts, shapes, axis=1) if fused else (p(x) for p in parts)
         q, k_, v = self._constrain(q, k_, v)
+        if cfg.qk_layernorm:
+            q, k_ = self._qk_norm(self.q_norm, q), self._qk_norm(self.k_norm, k_)
         if rope:
             inv_freq = rope_frequencies(cfg)
             q, k_ = apply_rope(q, positions, inv_freq), apply_rope(k_, positions, inv_freq)
         return q, k_, v
+
+    def _qk_norm(self, norm, x):  # [B, T, heads, H]: per head, or over the heads' features together
+        if not self.cfg.qk_layernorm_across_heads:
+            return norm(x)
+        return norm(x.reshape(*x.shape[:2], -1)).reshape(x.shape)  # [B, T, heads * H] -> [B, T, heads, H]
 
     @staticmethod
     def _constrain(q, k, v):

@@ -151,9 +151,10 @@ class LayerNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def make_norm(cfg, *, dtype, param_dtype):
+def make_norm(cfg, *, dtype, param_dtype, features: int | None = None):
+    """--normalization over the last `features` (default --hidden_size) features."""
     cls = RMSNorm if cfg.normalization == "rmsnorm" else LayerNorm
-    return cls(cfg.hidden_size, eps=cfg.norm_epsilon, dtype=dtype, param_dtype=param_dtype)
+    return cls(features or cfg.hidden_size, eps=cfg.norm_epsilon, dtype=dtype, param_dtype=param_dtype)
 
 
 def output_std(cfg) -> float:
