@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from mjax.config import ConfigError, ParallelConfig
+from mjax.parallel.distributed import coordinates
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--mock_data", "--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--ffn_hidden_size=128",
          "--seq_length=32", "--global_batch_size=8", "--eval_interval=0", "--log_interval=1", "--noprogress"]
@@ -28,6 +31,23 @@ def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
                                                               "JAX_PROCESS_ID")}
     return {**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", **extra}
+
+
+def test_coordinates_come_from_the_flags_or_all_three_environment_variables(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert coordinates(ParallelConfig()) is None  # a single-process run
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host:1234")
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID"):
+        coordinates(ParallelConfig())
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    assert coordinates(ParallelConfig()) == ("host:1234", 4, 3)
+    flags = ParallelConfig(coordinator_address="other:1", num_processes=2, process_id=0)
+    assert coordinates(flags) == ("other:1", 2, 0)  # explicit flags win
+    monkeypatch.setenv("JAX_PROCESS_ID", "4")
+    with pytest.raises(ConfigError, match="JAX_PROCESS_ID"):
+        coordinates(ParallelConfig())
 
 
 @pytest.mark.slow

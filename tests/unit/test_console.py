@@ -5,8 +5,10 @@ import io
 import logging
 import os
 import re
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ from mjax.logging_setup import setup_logging
 from mjax.train import startup
 from mjax.train.logger import MetricsLogger, Progress
 from tests.train_utils import tiny_config
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 GIB = 2**30
 
@@ -112,3 +116,12 @@ def test_gpu_memory_fraction_default_never_overrides(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     xla_flags.apply_defaults()
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_the_train_entry_point_creates_no_backend_on_import():
+    """mjax.cli.train applies the defaults in main(), after its imports: they must not have started a backend,
+    which reads XLA_FLAGS and the memory fraction once."""
+    code = "import mjax.cli.train; from jax._src import xla_bridge; print(len(xla_bridge._backends))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr[-2000:]
