@@ -42,8 +42,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.stderr.write(f"{argv[0]}: {e}{hint}; --helpfull lists every flag\n")
         sys.exit(BAD_INPUT)
     for switch in implied:  # e.g. Megatron's --group-query-attention, which --num_query_groups implies here
-        if not FLAGS[IMPLIED[switch]].present:
-            sys.stderr.write(f"{argv[0]}: --{switch.replace('_', '-')} needs --{IMPLIED[switch]} (mjax infers the "
+        if not any(FLAGS[name].present for name in IMPLIED[switch]):
+            sys.stderr.write(f"{argv[0]}: --{switch.replace('_', '-')} needs --{IMPLIED[switch][0]} (mjax infers the "
                              "former from the latter)\n")
             sys.exit(BAD_INPUT)
     return rest

@@ -27,8 +27,9 @@ RENAMED = {
     "lr_decay_style": ("lr_decay_style", None),
     "tokenizer_type": ("tokenizer_type", None),
 }
-# Switches that only restate what other flags already say: accepted, and checked to mean what they claim.
-IMPLIED = {"group_query_attention": "num_query_groups"}
+# Switches that only restate what other flags already say: accepted, and checked to mean what they claim (the
+# switch -> the flags, alias and dotted name, that set the field it implies).
+IMPLIED = {"group_query_attention": ("num_query_groups", "model.num_query_groups")}
 MULTI_VALUE = {"data_path"}  # Megatron takes these as several space-separated values
 LOWERCASE = {"remat_policy", "normalization", "position_embedding_type", "lr_decay_style", "attention_impl"}
 

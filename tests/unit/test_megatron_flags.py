@@ -68,6 +68,7 @@ def test_hyphenated_mjax_flags_in_both_forms(parse):
 
 def test_group_query_attention_is_implied_by_num_query_groups(parse, capsys):
     assert parse("--group-query-attention", "--num-query-groups", "2").model.num_query_groups == 2
+    assert parse("--group-query-attention", "--model.num_query_groups=2").model.num_query_groups == 2
     with pytest.raises(SystemExit) as e:
         parse("--group-query-attention")
     assert e.value.code == 2
