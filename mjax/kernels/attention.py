@@ -73,6 +73,23 @@ def reference_attention(q, k, v, *, causal=True, sliding_window=None, segment_id
     return out
 
 
+def cached_attention(q, k_cache, v_cache, positions, sliding_window=None):
+    """Decoding attention: q [B, T, N, H] at `positions` [B, T] over caches [B, S, K, H] that hold position s at
+    index s (later slots not yet written) -> [B, T, N, H]. Causal, with an optional left sliding window."""
+    b, t, n, h = q.shape
+    kh = k_cache.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * h**-0.5
+    kv_pos = jnp.arange(k_cache.shape[1])
+    mask = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    if sliding_window is not None:
+        mask &= positions[:, :, None] - kv_pos[None, None, :] < sliding_window
+    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache.astype(jnp.float32))
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
 def _cudnn_attention(q, k, v, *, causal, sliding_window, segment_ids, scale, return_lse):
     del segment_ids, return_lse  # None / False: the capability table (why_unsupported) sends those calls elsewhere
     window = None if sliding_window is None else (sliding_window - 1, 0)

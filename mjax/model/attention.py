@@ -1,9 +1,10 @@
 """Multi-head attention with GQA/MQA, RoPE, optional QKV bias and sliding window; the kernel is chosen by dispatch."""
 
+import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import dot_product_attention
+from mjax.kernels.attention import cached_attention, dot_product_attention
 from mjax.model.layers import Linear, fused_linear, fused_product, make_norm, output_std
 from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv, use_qkv_grad_kernel
 from mjax.model.sharding import constrain, splits_evenly
@@ -62,10 +63,21 @@ class Attention(nnx.Module):
                 constrain(k, ("batch", "seq", "kv_heads", "head_dim")),  # [B, T, K, H]
                 constrain(v, ("batch", "seq", "kv_heads", "head_dim")))
 
-    def __call__(self, x, positions, segment_ids=None):
-        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns [B, T, D]."""
+    def __call__(self, x, positions, segment_ids=None, cache=None):
+        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns (out [B, T, D], the updated KV cache or None).
+
+        cache (decoding): {"k", "v"}: [B, S, K, H] holding position s at index s; the new keys and values are
+        written at `positions` (consecutive per row) and the queries attend to every cached position up to theirs."""
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in self.project_qkv(x, positions))
+        if cache is not None:
+            cache = {"k": _write(cache["k"], k, positions[:, 0]), "v": _write(cache["v"], v, positions[:, 0])}
+            out = cached_attention(q, cache["k"], cache["v"], positions, self.cfg.sliding_window)  # [B, T, N, H]
+            return self.o_proj(out), cache
         out = dot_product_attention(q, k, v, causal=True, sliding_window=self.cfg.sliding_window,
                                     segment_ids=segment_ids, impl=self.cfg.attention_impl)  # [B, T, N, H]
         out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attn_context")
-        return checkpoint_name(self.o_proj(out), "attn_out")
+        return checkpoint_name(self.o_proj(out), "attn_out"), None
+
+
+def _write(cache, new, start):  # cache [B, S, K, H], new [B, T, K, H], start [B]
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(cache, new, start)

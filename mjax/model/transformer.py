@@ -30,22 +30,23 @@ class Block(nnx.Module):
         ffn = MoE if moe else MLP
         self.mlp = ffn(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, moe_key=None):
-        """x [B, T, D] -> (x [B, T, D], the MoE layer's stats or None). `moe_key`: the router noise of
-        --moe_router_force_load_balancing."""
+    def __call__(self, x, positions, segment_ids, moe_key=None, cache=None):
+        """x [B, T, D] -> (x [B, T, D], the MoE layer's stats or None, the updated KV cache or None). `moe_key`: the
+        router noise of --moe_router_force_load_balancing; `cache`: the layer's KV cache when decoding."""
         # The named scopes label the compiled ops (and so the profile, mjax/train/profile.py) by model part.
         with jax.named_scope("norm"):
             h = checkpoint_name(self.attn_norm(x), "norm")
         with jax.named_scope("attention"):
-            x = constrain(x + self.attn(h, positions, segment_ids), RESIDUAL)
+            out, cache = self.attn(h, positions, segment_ids, cache)
+            x = constrain(x + out, RESIDUAL)
         with jax.named_scope("norm"):
             h = checkpoint_name(self.mlp_norm(x), "norm")
         if isinstance(self.mlp, MoE):
             with jax.named_scope("moe"):
                 y, stats = self.mlp(h, key=moe_key)
-                return constrain(x + y, RESIDUAL), stats
+                return constrain(x + y, RESIDUAL), stats, cache
         with jax.named_scope("mlp"):
-            return constrain(x + self.mlp(h), RESIDUAL), None
+            return constrain(x + self.mlp(h), RESIDUAL), None, cache
 
 
 def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
@@ -115,45 +116,54 @@ class CausalLM(nnx.Module):
                 x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
             return constrain(x, RESIDUAL)
 
-    def run_layers(self, x, positions, segment_ids, moe_keys=None):
-        """The stacked blocks over x [B, T, D] -> (x, MoE stats: each key stacked [MoE layers run, ...]; {} without
-        MoE layers). A pipeline stage binds only its own slices of the stacks, so the layers run are the leading
-        dims of the bound stacks, in the kinds' order of the model's first layers (a stage's pattern is the first
-        stage's, which validation ensures). `moe_keys` [MoE layers run]: router noise keys
-        (--moe_router_force_load_balancing), or None."""
+    def run_layers(self, x, positions, segment_ids, moe_keys=None, cache=None):
+        """The stacked blocks over x [B, T, D] -> (x, MoE stats: each key stacked [MoE layers run, ...], {} without
+        MoE layers; the updated KV cache or None). A pipeline stage binds only its own slices of the stacks, so the
+        layers run are the leading dims of the bound stacks, in the kinds' order of the model's first layers (a
+        stage's pattern is the first stage's, which validation ensures). `moe_keys` [MoE layers run]: router noise
+        keys (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
+        decoding (mjax.inference)."""
         cfg = self.cfg
         split = {name: nnx.split(getattr(self, name)) for name in STACKS if hasattr(self, name)}
         counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}
-        pattern = cfg.moe_layer_pattern()[:sum(counts.values())]
-        segments = self._layer_segments(pattern)
-        parts = {name: iter(split_stacked(split[name][1], [b - a for s, a, b, _ in segments if s == name]))
-                 for name in split}
-        keys = iter(split_stacked(moe_keys, [b - a for s, a, b, _ in segments if s == "moe_layers"])
-                    if moe_keys is not None else [])
-        stats = []
+        segments = self._layer_segments(cfg.moe_layer_pattern()[:sum(counts.values())])
+
+        def pieces(tree, name):  # a stacked tree's slices, one per segment of stack `name` (None: no tree)
+            sizes = [b - a for s, a, b, _ in segments if s == name]
+            return iter(split_stacked(tree, sizes) if tree is not None else [None] * len(sizes))
+
+        params = {name: pieces(split[name][1], name) for name in split}
+        keys = {name: pieces(moe_keys if name == "moe_layers" else None, name) for name in split}
+        caches = {name: pieces(None if cache is None else cache[name], name) for name in split}
+        stats, new_cache = [], {name: [] for name in split}
         for name, start, stop, quantized in segments:
             layer = self._layer_fn(split[name][0], positions, segment_ids, quantized)
-            seg = (next(parts[name]), next(keys) if moe_keys is not None and name == "moe_layers" else None)
+            seg = (next(params[name]), next(keys[name]), next(caches[name]))
             if cfg.scan_layers:
-                x, out = jax.lax.scan(layer, x, seg)
+                x, (st, c) = jax.lax.scan(layer, x, seg)
             else:
                 outs = []
                 for one in split_stacked(seg, [1] * (stop - start)):
                     x, o = layer(x, jax.tree.map(lambda a: jnp.squeeze(a, 0), one))
                     outs.append(jax.tree.map(lambda a: a[None], o))
-                out = jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if outs[0] is not None else None
+                st, c = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
             if name == "moe_layers":
-                stats.append(out)
-        return x, (jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else {})
+                stats.append(st)
+            new_cache[name].append(c)
+        concat = lambda parts: jax.tree.map(lambda *a: jnp.concatenate(a), *parts)  # noqa: E731
+        return (x, concat(stats) if stats else {},
+                None if cache is None else {name: concat(parts) for name, parts in new_cache.items()})
 
     def _layer_fn(self, graphdef, positions, segment_ids, quantized: bool):
-        """One block as a scan body: (x, (layer state, router key)) -> (x, MoE stats or None), under remat."""
+        """One block as a scan body: (x, (layer state, router key, KV cache)) -> (x, (MoE stats, KV cache)), under
+        remat."""
         cfg = self.cfg
 
         def layer(x, xs):
-            layer_state, key = xs
+            layer_state, key, cache = xs
             block = nnx.merge(graphdef, layer_state)
-            return (block if quantized else without_quant(block))(x, positions, segment_ids, key)
+            x, stats, cache = (block if quantized else without_quant(block))(x, positions, segment_ids, key, cache)
+            return x, (stats, cache)
 
         policy = remat_policy(cfg, self.quant.remat_keeps if self.quant is not None and quantized else ())
         return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
@@ -175,13 +185,13 @@ class CausalLM(nnx.Module):
             seen[name] += 1
         return [tuple(r) for r in runs]
 
-    def forward(self, tokens, positions=None, segment_ids=None, moe_keys=None):
-        """(the final-norm output [B, T, D] in compute dtype, MoE stats of run_layers)."""
+    def forward(self, tokens, positions=None, segment_ids=None, moe_keys=None, cache=None):
+        """(the final-norm output [B, T, D] in compute dtype, MoE stats, the updated KV cache) of run_layers."""
         if positions is None:
             positions = default_positions(tokens)
         x = self.embed_tokens(tokens, positions)
-        x, stats = self.run_layers(x, positions, segment_ids, moe_keys)
-        return self.final_norm(x), stats
+        x, stats, cache = self.run_layers(x, positions, segment_ids, moe_keys, cache)
+        return self.final_norm(x), stats, cache
 
     def hidden_states(self, tokens, positions=None, segment_ids=None):
         """The final-norm output [B, T, D] in compute dtype."""

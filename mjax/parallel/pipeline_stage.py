@@ -62,7 +62,7 @@ def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool):
     """A slice of the stacked layers (leading dims = their layer counts) over x [B, T, D] -> (y [B, T, D], the MoE
     objective terms of these layers (0 without MoE layers), their MoE step sums ({} without))."""
     segments = micro.get("segment_ids") if use_segments else None
-    y, stats = model.bind(stacks).run_layers(x, positions(micro), segments)
+    y, stats, _ = model.bind(stacks).run_layers(x, positions(micro), segments)
     if not stats:
         return y, jnp.zeros((), jnp.float32), {}
     counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)  # global_aux_loss: not with pp > 1

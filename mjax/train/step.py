@@ -20,7 +20,8 @@ def hidden_states(model, params, micro, use_segments: bool, fp8=None, moe_keys=N
     fp8: the FP8 scales (TrainState.fp8.scales) when the model has FP8 layers."""
     module = model.bind(params, fp8 or None)
     segments = micro.get("segment_ids") if use_segments else None
-    return module, *module.forward(micro["inputs"], micro.get("positions"), segments, moe_keys)
+    h, stats, _ = module.forward(micro["inputs"], micro.get("positions"), segments, moe_keys)
+    return module, h, stats
 
 
 @jax.named_scope("loss")
