@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from mjax.config import ConfigError, DataConfig
+from mjax.data.indexed import DataError
 
 SAMPLE_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "sample_tokenizer.json"
 _ALIASES = {"huggingfacetokenizer": "huggingface", "hf": "huggingface", "tiktokenizer": "tiktoken"}
@@ -53,7 +54,11 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as _Rust
 
         self.name = str(path)
-        self._tok = _Rust.from_file(str(path))
+        try:
+            self._tok = _Rust.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise DataError(f"{path} is not a readable Hugging Face tokenizer file ({e}); check "
+                            "--tokenizer_model") from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         names = [eod_token] if eod_token else list(_EOD_CANDIDATES)
         self._eod = next((i for i in map(self._tok.token_to_id, names) if i is not None), None)

@@ -22,7 +22,7 @@ SMALL = ["--num_layers=1", "--hidden_size=64", "--num_attention_heads=2", "--ffn
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Prefixes of small indexed datasets: good (ids < 1000), too_big_ids (ids up to 4999, beyond the sample
-    tokenizer's 1024), no_idx (the .bin alone), truncated_idx (the .idx cut in half); and a compile cache."""
+    tokenizer's 1024), no_idx (the .bin alone), truncated_idx (the .idx cut in half); bad.json, no tokenizer."""
     d = tmp_path_factory.mktemp("data")
     rng = np.random.default_rng(0)
     for name, high in (("good", 1000), ("too_big_ids", 5000)):
@@ -33,6 +33,7 @@ def data(tmp_path_factory):
     shutil.copy(d / "good.bin", d / "truncated_idx.bin")
     idx = (d / "good.idx").read_bytes()
     (d / "truncated_idx.idx").write_bytes(idx[:len(idx) // 2])
+    (d / "bad.json").write_text('{"not": "a tokenizer"}')
     return d
 
 
@@ -44,6 +45,8 @@ CASES = {  # name -> data directory -> (flags, what the error line must name)
                                            [f"{d / 'too_big_ids'}.bin", "--tokenizer_type", "--tokenizer_model"]),
     "missing tokenizer file": lambda d: (["--tokenizer_type=huggingface", f"--tokenizer_model={d / 'none.json'}",
                                           f"--data_path={d / 'good'}"], ["--tokenizer_model", "none.json"]),
+    "unreadable tokenizer file": lambda d: (["--tokenizer_type=huggingface", f"--tokenizer_model={d / 'bad.json'}",
+                                             f"--data_path={d / 'good'}"], ["--tokenizer_model", "bad.json"]),
     # the preset's tokenizer_model is the hub name "gpt2", not a file: mjax reads local files only
     "gpt2 preset's hub tokenizer": lambda d: (["--config=gpt2", f"--data_path={d / 'good'}"],
                                               ["--tokenizer_model=gpt2"]),
