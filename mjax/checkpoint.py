@@ -118,7 +118,7 @@ def _model_diff(saved_cfg: dict | None, cfg) -> str:
 
 
 # Differences from the saved config a resumed run reports: everything but what a continuation changes on purpose.
-_EXPECTED_CHANGES = {"checkpoint", "logging", "train.train_iters", "parallel"}
+_EXPECTED_CHANGES = {"checkpoint", "logging", "train.train_iters", "parallel", "model.name"}
 
 
 def _log_changed_settings(saved_cfg: dict | None, cfg, where: str) -> None:
@@ -128,7 +128,7 @@ def _log_changed_settings(saved_cfg: dict | None, cfg, where: str) -> None:
         return
     ours, changes = cfg.to_dict(), []
     for section, fields in saved_cfg.items():
-        if section in _EXPECTED_CHANGES or section == "model" or not isinstance(fields, dict):
+        if section in _EXPECTED_CHANGES or not isinstance(fields, dict):
             continue
         for k, v in fields.items():
             now = ours.get(section, {}).get(k, v)

@@ -38,7 +38,7 @@ router.py builds the losses from them (aux_loss, seq_aux_loss, global_aux_loss, 
 Remat names (jax.ad_checkpoint.checkpoint_name), for --remat_policy=selective:
     moe_router_logits  [B*T, E]        router logits (router dtype)
     moe_dispatch       [G, R, D]       the tokens sorted into expert rows
-    moe_up             [G, R, 2F]      the gate/up grouped GEMM output ([G, R, F] for GELU experts)
+    moe_up             [G, R, F]       the gate and the up grouped GEMM outputs (the up one alone for GELU experts)
     moe_hidden         [G, R, F]       the weighted SwiGLU (GELU) output, the down GEMM's input
     moe_down           [G, R, D]       the down grouped GEMM output, before each token sums its slots
     moe_out            [B, T, D]       the layer's output (routed + shared experts)
@@ -58,7 +58,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mjax.kernels.grouped_matmul import grouped_matmul
 from mjax.model import router as moe_router
 from mjax.model.layers import Linear, output_std
-from mjax.model.mlp import MLP, swiglu_pairs
+from mjax.model.mlp import MLP
 from mjax.model.moe_dispatch import permute, plan_dispatch, row_weights, unpermute
 from mjax.model.sharding import constrain, param, shards
 
@@ -103,34 +103,34 @@ class Experts(nnx.Module):
                                       param_dtype=param_dtype, rngs=rngs)
 
     def kernels(self, dtype):
-        """(fused gate/up [E, D, 2F] with (gate, up) column pairs, down [E, F, D]) in `dtype`."""
-        up = self.up_proj.kernel[...]
-        if self.gated:  # pairs as the dense MLP's fused GEMM, so swiglu_pairs' packed backward applies
-            e, d, f = up.shape
-            up = jnp.stack([self.gate_proj.kernel[...], up], axis=-1).reshape(e, d, 2 * f)  # [E, D, F, 2] -> [E, D, 2F]
-        return up.astype(dtype), self.down_proj.kernel[...].astype(dtype)
+        """(gate [E, D, F] or None without SwiGLU, up [E, D, F], down [E, F, D]) in `dtype`. Gate and up stay two
+        grouped GEMMs: fusing them as the dense MLP does would copy all experts' weights into one [E, D, 2F] array
+        (and split its gradient) every micro-batch, which on moe-small cost more than the GEMM itself (docs/moe.md)."""
+        gate = self.gate_proj.kernel[...].astype(dtype) if self.gated else None
+        return gate, self.up_proj.kernel[...].astype(dtype), self.down_proj.kernel[...].astype(dtype)
 
 
-def expert_rows(xs, weights, group_sizes, gate_up, down, *, gated: bool, impl: str):
-    """The experts on dispatched rows xs [R, D] with routing weights [R] -> [R, D]: grouped GEMM, SwiGLU (or GELU)
+def expert_rows(xs, weights, group_sizes, kernels, *, impl: str):
+    """The experts on dispatched rows xs [R, D] with routing weights [R] -> [R, D]: grouped GEMMs, SwiGLU (or GELU)
     times the weight, grouped GEMM."""
-    up = checkpoint_name(grouped_matmul(xs, gate_up, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, 2F]
-    if gated:
-        h = swiglu_pairs(up.reshape(up.shape[0], -1, 2))  # [R, 2F] -> [R, F]
+    gate, up, down = kernels
+    u = checkpoint_name(grouped_matmul(xs, up, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, F]
+    if gate is not None:
+        g = checkpoint_name(grouped_matmul(xs, gate, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, F]
+        h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     else:
-        h = jax.nn.gelu(up, approximate=True)
+        h = jax.nn.gelu(u, approximate=True)
     compute = jnp.promote_types(weights.dtype, jnp.float32)
     h = checkpoint_name((h.astype(compute) * weights[:, None].astype(compute)).astype(xs.dtype), "moe_hidden")
     return checkpoint_name(grouped_matmul(h, down, group_sizes, impl=impl), "moe_down")  # [R, F] -> [R, D]
 
 
-def dispatch_group(x, weights, experts, priority, gate_up, down, *, num_experts, capacity, policy, pad_to_capacity,
-                   gated, impl):
+def dispatch_group(x, weights, experts, priority, kernels, *, num_experts, capacity, policy, pad_to_capacity, impl):
     """One dispatch group: x [n, D], weights / experts [n, k], priority [n] -> (y [n, D] float32, plan)."""
     plan = plan_dispatch(experts, weights, num_experts=num_experts, capacity=capacity, policy=policy,
                          pad_to_capacity=pad_to_capacity, priority=priority)
     xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")  # [R, D]
-    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, gate_up, down, gated=gated, impl=impl)
+    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, impl=impl)
     return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # [R, D] -> [n, D]
 
 
@@ -234,12 +234,10 @@ class MoE(nnx.Module):
         capacity = None
         if cfg.moe_expert_capacity_factor is not None:
             capacity = moe_router.expert_capacity(n, e, k, cfg.moe_expert_capacity_factor)
-        gate_up, down = self.experts.kernels(self.dtype)
         run = functools.partial(dispatch_group, num_experts=e, capacity=capacity, policy=cfg.moe_token_drop_policy,
-                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, gated=self.experts.gated,
-                                impl=getattr(cfg, "moe_grouped_gemm_impl", "auto"))
-        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None, None))(
-            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, gate_up, down)  # y [G, n, D]
+                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=cfg.moe_grouped_gemm_impl)
+        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None))(
+            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, self.experts.kernels(self.dtype))
         tokens, kept = plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0)  # [G, E] -> [E]
         stats = {"tokens_per_expert": tokens, "kept_tokens_per_expert": kept,
                  "dropped_assignments": (tokens - kept).sum()}

@@ -137,24 +137,22 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
     signals = StopSignals()  # from the start: a SIGTERM while building or compiling stops cleanly too
     with signals:
         setup = build(cfg, devices)
-        ckpt, consumed = Checkpointer(cfg, setup, signals), 0
-        if state is None:
-            state, consumed = ckpt.restore_or_init()
-        start = int(state.step)
-        if start >= cfg.train.train_iters:
-            ckpt.close()
-            log.warning("nothing to train: the checkpoint is at step %d and --train_iters=%d; raise --train_iters "
-                        "to train further", start, cfg.train.train_iters)
-            return TrainResult(state, [], [])
-        if data is None:
+        if data is None:  # before any state is built: a data or tokenizer mistake fails in seconds
             from mjax.data import build_data_iterators  # noqa: PLC0415
 
-            data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
-                                        consumed_samples=consumed)
-        else:
-            position_data(data[0], consumed)
+            data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count())
         train_iter, evals = data[0], _eval_factories(cfg, data[1])
         with contextlib.closing(train_iter) if hasattr(train_iter, "close") else contextlib.nullcontext():
+            ckpt, consumed = Checkpointer(cfg, setup, signals), 0
+            if state is None:
+                state, consumed = ckpt.restore_or_init()
+            start = int(state.step)
+            if start >= cfg.train.train_iters:
+                ckpt.close()
+                log.warning("nothing to train: the checkpoint is at step %d and --train_iters=%d; raise "
+                            "--train_iters to train further", start, cfg.train.train_iters)
+                return TrainResult(state, [], [])
+            position_data(train_iter, consumed)
             return _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals)
 
 
@@ -178,6 +176,9 @@ def _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals) -
                     logger.log_eval(record)
 
         try:
+            if signals.requested(start):
+                log.warning("stopping before step %d on a signal: nothing trained, nothing to save", start + 1)
+                return TrainResult(state, history, eval_history, start)
             first = setup.place_batch(next(train_iter))
             compiled, compile_s = setup.compile_step(state, first)
             log.info("compiled the train step in %.1fs", compile_s)
