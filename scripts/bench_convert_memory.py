@@ -2,12 +2,12 @@
 
     python scripts/bench_convert_memory.py                      # Llama-3-8B shapes, bf16: ~16 GB per copy on disk
     python scripts/bench_convert_memory.py --num_layers=4       # the same tensors, fewer layers (quick)
-    python scripts/bench_convert_memory.py --max_shard_size_mb=1000   # export in smaller shards (less memory)
+    python scripts/bench_convert_memory.py --max_shard_size_mb=1000   # export in smaller shards
 
 Writes random bf16 safetensors shards with the Hugging Face config of Meta-Llama-3-8B (one shard in memory at a
 time), then runs `convert_checkpoint.py` hf_to_mjax and mjax_to_hf, each in a fresh process, and prints a table of
-time and peak RSS against the model size. Export holds one safetensors shard in memory until it is written, so its
-peak grows with --max_shard_size_mb (the input is written in 5 GiB shards). Disk: the HF input is deleted before
+time and peak RSS against the model size. Export writes each tensor into its pre-planned byte range, so its peak does
+not depend on --max_shard_size_mb (the input is written in 5 GiB shards). Disk: the HF input is deleted before
 the export, so at most two copies (~32 GB for 8B) exist at once; `--workdir` is removed at the end unless --keep.
 """
 
