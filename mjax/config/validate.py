@@ -3,12 +3,13 @@
 import logging
 
 from mjax.config import model as model_options
+from mjax.config.model import MOE_REMAT_NAMES
 from mjax.config.base import ConfigError
 from mjax.config.sections import Config
 from mjax.kernels import options as kernels
 
 REMAT_NAMES = ("qkv_proj", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden", "mlp_out", "norm",
-               kernels.FP8_CAST)
+               kernels.FP8_CAST, *MOE_REMAT_NAMES)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 log = logging.getLogger("mjax")
 

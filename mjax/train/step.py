@@ -66,14 +66,16 @@ def make_train_step(model, cfg, tx, schedule):
         return objective, (total, z, counts, sums)
 
     @jax.named_scope("optimizer")
-    def optimizer_update(state, grads):  # (global grad norm, new params, new optimizer state)
-        grad_norm = optax.tree.norm(grads)
+    def optimizer_update(state, grads, grad_norm, moe_sums):  # (new params, new optimizer state)
         if clip > 0:
             factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * factor, grads)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        return grad_norm, optax.apply_updates(state.params, updates), new_opt
+        new_params = optax.apply_updates(state.params, updates)
+        if num_moe:
+            new_params = moe_terms.update_expert_bias(new_params, moe_sums["kept_tokens_per_expert"], cfg.model)
+        return new_params, new_opt
 
     def moe_zeros():  # the MoE carry of the accumulation: running top-k counts, the step's router sums
         if not num_moe:
@@ -115,11 +117,8 @@ def make_train_step(model, cfg, tx, schedule):
         grads = jax.tree.map(lambda g: g / scale, grads)
 
         loss = loss_sum / denom
-        grad_norm, new_params, new_opt = optimizer_update(state, grads)
-        moe_metrics = {}
-        if num_moe:
-            new_params = moe_terms.update_expert_bias(new_params, moe_sums["kept_tokens_per_expert"], cfg.model)
-            moe_metrics = moe_terms.metrics(moe_sums, num_micro)
+        grad_norm = optax.tree.norm(grads)
+        moe_metrics = moe_terms.metrics(moe_sums, num_micro) if num_moe else {}
         loss_finite = jnp.isfinite(loss)
         finite = loss_finite & jnp.isfinite(grad_norm)
 
@@ -137,6 +136,7 @@ def make_train_step(model, cfg, tx, schedule):
         if state.fp8 is not None:  # a skipped step's amaxes are not trusted: the FP8 state is kept like the params
             new_fp8, fp8_stats = fp8_state.update(state.fp8, amaxes, precision)
             new_fp8 = keep(new_fp8, state.fp8)
+        new_params, new_opt = optimizer_update(state, grads, grad_norm, moe_sums)
         new_state = state.replace(
             step=state.step + 1, params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
             loss_scale=state.loss_scale.update(finite, precision, dynamic_scale),
