@@ -9,21 +9,22 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from jax._src.cudnn import fused_attention_stablehlo as _cudnn
 
 from mjax.kernels.options import ATTENTION_IMPLS, ATTN_CORE
 
 log = logging.getLogger(__name__)
 
 IMPLS = ATTENTION_IMPLS
-# ATTN_CORE names an attention kernel's results. The Pallas kernel names them; cuDNN's are found by primitive,
-# taken from JAX itself so that a rename there fails here at import instead of silently recomputing.
-_CUDNN_FORWARD = (_cudnn._dot_product_attention_fwd_p, _cudnn._dot_product_attention_fwd_p_wrapper)
 
 
-def is_attention_kernel(prim) -> bool:
-    """Whether a primitive is a fused attention forward whose results `attn_core` keeps (cuDNN's)."""
-    return prim in _CUDNN_FORWARD
+@functools.cache
+def cudnn_forward_primitives() -> tuple:
+    """cuDNN's fused attention forward primitives, whose results `attn_core` keeps (the Pallas kernel names its
+    own). Taken from JAX's private module, so a rename there fails loudly instead of silently recomputing; imported
+    only by a remat policy that can meet cuDNN attention."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+
+    return cudnn._dot_product_attention_fwd_p, cudnn._dot_product_attention_fwd_p_wrapper
 
 
 class AttentionUnsupported(ValueError):

@@ -115,11 +115,8 @@ def _forward(h, w, targets, mask, meta, vocab_axis, vocab_size, z_coeff, chunk, 
         return (dw + dw_chunk, jnp.maximum(ag, ag_chunk)), (jnp.sum(loss * mb), jnp.sum(jnp.square(lse) * mb),
                                                             dh.astype(h.dtype))
 
-    # A zero that varies over the same manual mesh axes as h and w (inside a pipeline stage's shard_map the scan
-    # carry must have the body's varying-axes type); `where` keeps it exactly 0 even if h or w hold NaN.
-    zero = jnp.where(True, 0.0, h.ravel()[0].astype(jnp.float32) + w.ravel()[0].astype(jnp.float32))
     (dw, ag), (loss_sums, z_sums, dh) = jax.lax.scan(
-        body, (jnp.zeros(w.shape, jnp.float32) + zero, zero),
+        body, (jnp.zeros(w.shape, jnp.float32), jnp.zeros((), jnp.float32)),
         (_chunks(h, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
     dh = jnp.moveaxis(dh, 0, 1).reshape(b, t + pad, d)[:, :t]  # [B, T, D]
     amaxes = jnp.stack([ah, aw, ag])  # the FP8 scales' "gradient" (zeros unquantized)

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import ATTN_CORE, is_attention_kernel
+from mjax.kernels.attention import ATTN_CORE, cudnn_forward_primitives
 from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
@@ -62,9 +62,10 @@ def remat_policy(cfg, extra_names=()):
         return jax.checkpoint_policies.nothing_saveable
     names = tuple(dict.fromkeys((*cfg.remat_save_names, *extra_names)))
     by_name = jax.checkpoint_policies.save_only_these_names(*names)
-    if ATTN_CORE not in names:
+    if ATTN_CORE not in names or cfg.attention_impl not in ("auto", "cudnn") or jax.default_backend() != "gpu":
         return by_name
-    return lambda prim, *args, **params: is_attention_kernel(prim) or by_name(prim, *args, **params)
+    cudnn = cudnn_forward_primitives()  # its results carry no name: found by primitive
+    return lambda prim, *args, **params: prim in cudnn or by_name(prim, *args, **params)
 
 
 def split_stacked(tree, sizes):
