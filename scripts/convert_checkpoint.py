@@ -1,4 +1,5 @@
-"""Converts checkpoints between Hugging Face and mjax (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2).
+"""Converts checkpoints between Hugging Face and mjax (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2, and the mixtures
+of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-MoE; docs/convert.md).
 
     python scripts/convert_checkpoint.py --direction=hf_to_mjax --input=path/to/hf_model --output=ckpt/llama
     python scripts/train.py --config=ckpt/llama/config.json --load=ckpt/llama --load_params_only ...
@@ -36,7 +37,9 @@ flags.DEFINE_string("output", None, "Destination directory (created).")
 flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"],
                   "Dtype of the written tensors; `source` keeps each tensor's stored dtype.")
 flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
-                    "else inferred: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM or LlamaForCausalLM).")
+                    "else inferred from the model: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM, "
+                    "LlamaForCausalLM; with --num_experts OlmoeForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+                    "DeepseekForCausalLM or MixtralForCausalLM).")
 flags.DEFINE_integer("ckpt_step", None, "mjax_to_hf from a training checkpoint: the step (default: latest).")
 flags.DEFINE_boolean("skip_tokenizer", False, "mjax_to_hf: write no tokenizer files (needed for a run trained with "
                      "--tokenizer_type=tiktoken, which has no tokenizer.json form).")

@@ -1,6 +1,8 @@
-"""Checkpoint conversion with Hugging Face (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2), proven by logits parity.
+"""Checkpoint conversion with Hugging Face (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, GPT-2; the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-MoE), proven by logits parity.
 
-Each family is a table (`mjax/convert/llama.py`, `gpt2.py`) read by one mechanism (`spec.py`) in both directions.
+Each family is a table (`mjax/convert/llama.py`, `gpt2.py`, `moe.py`) read by one mechanism (`spec.py`) in both
+directions.
 """
 
 from mjax.convert.spec import ConversionError, InputError

@@ -1,9 +1,10 @@
 """Hugging Face <-> mjax: config translation, streamed tensor conversion driven by a family's table, and the two
 directory-level conversions (`hf_to_mjax`, `mjax_to_hf`).
 
-Import walks the table rule by rule: for a per-layer rule it allocates the stacked mjax array(s) and fills them one
-HF layer tensor at a time, then hands them to the writer and drops them. Export does the reverse, one stacked mjax
-parameter at a time. Every tensor's shape is checked against the table before anything is written.
+Import walks the table rule by rule: for a per-layer rule it allocates the stacked mjax array(s) ([layers of the
+stack, ...], or [layers, experts, ...] for a per-expert rule) and fills them one HF tensor at a time, then hands them
+to the writer and drops them. Export does the reverse, one stacked mjax parameter at a time. Every tensor's shape,
+and the HF config, are checked before anything is written.
 """
 
 import dataclasses
@@ -18,12 +19,14 @@ from mjax.config import Config, ConfigError, ModelConfig
 from mjax.convert import orbax_io, source, tokenizer
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
+from mjax.convert.moe import DEEPSEEK_MOE, MIXTRAL, MOE_FAMILIES, OLMOE, QWEN2_MOE, QWEN3_MOE
 from mjax.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mjax.convert.spec import ConversionError, Dims, Family, InputError, flatten
 
 log = logging.getLogger(__name__)
-FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2) for a in f.architectures}
-MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2}
+FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2, *MOE_FAMILIES) for a in f.architectures}
+MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2, "mixtral": MIXTRAL,
+               "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "olmoe": OLMOE, "deepseek": DEEPSEEK_MOE}
 # HF keys the families write; an original config's other keys (bos/eos ids, ...) are carried through on export.
 MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures")
 
@@ -70,18 +73,19 @@ def param_shapes(model_cfg) -> dict:
     return {p: tuple(x.shape) for p, x in flatten(build_model(model_cfg).abstract_params()).items()}
 
 
-def _layer_shapes(rule, shapes) -> tuple:
-    return tuple(shapes[p][1:] if rule.per_layer else shapes[p] for p in rule.mjax)
+def _layer_shapes(rule, shapes) -> tuple:  # the shapes of one HF tensor's mjax slices
+    return tuple(shapes[p][rule.stacked_axes:] for p in rule.mjax)
 
 
 def plan_import(reader: SafetensorsReader, family: Family, model_cfg) -> list:
-    """[(rule, [HF names])] after checking every name and shape; unexpected tensors are an error too."""
+    """[(rule, [(index into the stacked arrays, HF name in the file)])] after checking every name and shape;
+    unexpected tensors are an error too."""
     shapes, dims = param_shapes(model_cfg), Dims.of(model_cfg)
     plan, used = [], set()
     for r in family.active_rules(shapes):
         want = r.transform.hf_shape(_layer_shapes(r, shapes), dims)
         names = []
-        for name in family.hf_names(r, dims.layers):
+        for index, name in family.hf_tensors(r, dims):
             found = _resolve(reader, family, name)
             if found is None:
                 raise ConversionError(f"tensor {name!r} is missing from {reader.directory} (needed for "
@@ -89,7 +93,7 @@ def plan_import(reader: SafetensorsReader, family: Family, model_cfg) -> list:
             if reader.shape(found) != want:
                 raise ConversionError(f"tensor {found!r} has shape {list(reader.shape(found))}, expected "
                                       f"{list(want)} from config.json (mjax {', '.join(r.mjax)})")
-            names.append(found)
+            names.append((index, found))
             used.add(found)
         plan.append((r, names))
     ignorable = family.ignore + (() if model_cfg.untie_embeddings_and_output_weights else (family.tied_output,))
@@ -120,21 +124,22 @@ def iter_params(directory, dtype=None):
     reader = SafetensorsReader(directory)
     plan = plan_import(reader, family, model_cfg)  # every check happens before the first read
     dims = Dims.of(model_cfg)
+    shapes = param_shapes(model_cfg)
 
     def chunks():
         for r, names in plan:
             out = None
-            for i, name in enumerate(names):
+            for index, name in names:
                 parts = r.transform.to_mjax(reader.get(name), dims)
                 if dtype is not None:
                     parts = tuple(p.astype(dtype) for p in parts)
                 if not r.per_layer:  # contiguous: Orbax writes a strided view far slower and via a copy
                     out = {p: np.ascontiguousarray(x) for p, x in zip(r.mjax, parts)}
                     break
-                if out is None:  # stacked [L, ...] buffers, filled layer by layer
-                    out = {p: np.empty((dims.layers,) + x.shape, x.dtype) for p, x in zip(r.mjax, parts)}
+                if out is None:  # stacked [L, ...] / [L, E, ...] buffers, filled one HF tensor at a time
+                    out = {p: np.empty(shapes[p][:r.stacked_axes] + x.shape, x.dtype) for p, x in zip(r.mjax, parts)}
                 for p, x in zip(r.mjax, parts):
-                    out[p][i] = x
+                    out[p][index] = x
             yield out
 
     return model_cfg, chunks()
@@ -159,6 +164,14 @@ def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
 
 
 def infer_family(m) -> Family:
+    if m.num_experts:
+        if m.qk_layernorm:
+            return OLMOE if m.qk_layernorm_across_heads else QWEN3_MOE
+        if m.moe_shared_expert_gate or m.add_qkv_bias:
+            return QWEN2_MOE
+        if m.moe_shared_expert_intermediate_size or not all(m.moe_layer_pattern()):
+            return DEEPSEEK_MOE
+        return MIXTRAL
     if m.position_embedding_type == "learned":
         return GPT2
     if m.add_qkv_bias:
@@ -175,17 +188,22 @@ def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:
 
 
 def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
-    """Yields (layer, HF name, per-layer mjax arrays) of one rule. A stacked parameter is read in `slabs` slabs of
-    layers: tensorstore reads a whole stored chunk (here the whole stacked array) for any slice, so each slab read
-    costs one pass over it while host memory stays at the array plus one slab (not twice the array)."""
+    """Yields (index into the stacked arrays, mjax slices for one HF tensor) of one rule. A stacked parameter is
+    read in `slabs` slabs of layers: tensorstore reads a whole stored chunk (here the whole stacked array) for any
+    slice, so each slab read costs one pass over it while host memory stays at the array plus one slab (not twice
+    the array). A per-expert rule yields each expert of each layer of the slab."""
     if not r.per_layer:
-        yield 0, r.hf, tuple(np.asarray(s.read().result()) for s in stores.values())
+        yield (), tuple(np.asarray(s.read().result()) for s in stores.values())
         return
     step = -(-layers // slabs)
     for start in range(0, layers, step):
         slab = [np.asarray(s[start:start + step].read().result()) for s in stores.values()]  # [k, ...] each
-        for j in range(slab[0].shape[0]):
-            yield start + j, r.hf, tuple(x[j] for x in slab)
+        for row in range(slab[0].shape[0]):
+            if not r.per_expert:
+                yield (start + row,), tuple(x[row] for x in slab)
+                continue
+            for j in range(slab[0].shape[1]):
+                yield (start + row, j), tuple(x[row, j] for x in slab)
         del slab
 
 
@@ -215,19 +233,22 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
         if p in shapes and p not in orbax_io.VOCAB_AXES and shapes[p] != s:
             raise ConversionError(f"parameter {p!r}: checkpoint has shape {shapes[p]}, config.json implies {s}")
     dims = dataclasses.replace(Dims.of(m), vp=shapes.get("embed/embedding", (0,))[0])
-    rules = family.active_rules(want)
     out_dtype = lambda r: np.dtype(dtype) if dtype else meta[r.mjax[0]][1]  # noqa: E731
+    # What the architecture cannot express fails here, naming the setting, before the table and any write.
+    hf_config = hf_config_for(m, family, original, np.dtype(dtype) if dtype else meta["embed/embedding"][1])
+    rules = family.active_rules(want)
+    names = {r: dict(family.hf_tensors(r, dims)) for r in rules}  # {rule: {index: HF name}}
     plan = [(name, r.transform.hf_shape(_layer_shapes(r, shapes), dims), out_dtype(r))
-            for r in rules for name in family.hf_names(r, dims.layers)]
+            for r in rules for name in names[r].values()]
     output.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
-    stores = orbax_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one layer read at a time
+    stores = orbax_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one slab of layers at a time
     for r in rules:
-        for i, name, parts in _read_layers({p: stores[p] for p in r.mjax}, r, dims.layers):
-            writer.write(name.format(i=i), np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
+        layers = shapes[r.mjax[0]][0] if r.per_layer else 0
+        for index, parts in _read_layers({p: stores[p] for p in r.mjax}, r, layers):
+            writer.write(names[r][index], np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
                 out_dtype(r), copy=False))
     writer.close()
-    hf_config = hf_config_for(m, family, original, plan[0][2])
     written = tokenizer.write(tok, output, m.max_position_embeddings or cfg.train.seq_length) if tok else []
     if tok and "eos_token_id" not in hf_config and tok.eos_id() is not None:  # generate() stops there
         hf_config["eos_token_id"] = tok.eos_id()

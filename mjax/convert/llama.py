@@ -9,23 +9,33 @@ from mjax.convert.spec import (EMBED, HEADS_BIAS, HEADS_IN, HEADS_OUT, IDENTITY,
                                ConversionError, Family, check_fixed, check_values, read_keys, rule, write_keys)
 
 L = "model.layers.{i}."
-RULES = (
-    rule("model.embed_tokens.weight", "embed/embedding", EMBED),
-    rule(L + "input_layernorm.weight", "layers/attn_norm/scale"),
-    rule(L + "self_attn.q_proj.weight", "layers/attn/q_proj/kernel", HEADS_OUT),
-    rule(L + "self_attn.k_proj.weight", "layers/attn/k_proj/kernel", HEADS_OUT),
-    rule(L + "self_attn.v_proj.weight", "layers/attn/v_proj/kernel", HEADS_OUT),
-    rule(L + "self_attn.q_proj.bias", "layers/attn/q_proj/bias", HEADS_BIAS),
-    rule(L + "self_attn.k_proj.bias", "layers/attn/k_proj/bias", HEADS_BIAS),
-    rule(L + "self_attn.v_proj.bias", "layers/attn/v_proj/bias", HEADS_BIAS),
-    rule(L + "self_attn.o_proj.weight", "layers/attn/o_proj/kernel", HEADS_IN),
-    rule(L + "post_attention_layernorm.weight", "layers/mlp_norm/scale"),
-    rule(L + "mlp.gate_proj.weight", "layers/mlp/gate_proj/kernel", LINEAR),
-    rule(L + "mlp.up_proj.weight", "layers/mlp/up_proj/kernel", LINEAR),
-    rule(L + "mlp.down_proj.weight", "layers/mlp/down_proj/kernel", LINEAR),
-    rule("model.norm.weight", "final_norm/scale", IDENTITY),
-    rule("lm_head.weight", "lm_head/kernel", LM_HEAD),
-)
+
+
+def attention_rules(stack: str) -> tuple:
+    """The norms and attention of the blocks of one stack ("layers" or "moe_layers"), Llama's names."""
+    s = stack + "/"
+    return (
+        rule(L + "input_layernorm.weight", s + "attn_norm/scale"),
+        rule(L + "self_attn.q_proj.weight", s + "attn/q_proj/kernel", HEADS_OUT),
+        rule(L + "self_attn.k_proj.weight", s + "attn/k_proj/kernel", HEADS_OUT),
+        rule(L + "self_attn.v_proj.weight", s + "attn/v_proj/kernel", HEADS_OUT),
+        rule(L + "self_attn.q_proj.bias", s + "attn/q_proj/bias", HEADS_BIAS),
+        rule(L + "self_attn.k_proj.bias", s + "attn/k_proj/bias", HEADS_BIAS),
+        rule(L + "self_attn.v_proj.bias", s + "attn/v_proj/bias", HEADS_BIAS),
+        rule(L + "self_attn.o_proj.weight", s + "attn/o_proj/kernel", HEADS_IN),
+        rule(L + "post_attention_layernorm.weight", s + "mlp_norm/scale"),
+    )
+
+
+def mlp_rules(hf_prefix: str, target: str, names=("gate_proj", "up_proj", "down_proj")) -> tuple:
+    """A SwiGLU MLP: HF `{hf_prefix}{gate,up,down}.weight` -> mjax `{target}/{gate,up,down}_proj/kernel`."""
+    return tuple(rule(f"{hf_prefix}{hf}.weight", f"{target}/{mj}/kernel", LINEAR)
+                 for hf, mj in zip(names, ("gate_proj", "up_proj", "down_proj")))
+
+
+EMBEDDING = rule("model.embed_tokens.weight", "embed/embedding", EMBED)
+OUTPUT = (rule("model.norm.weight", "final_norm/scale", IDENTITY), rule("lm_head.weight", "lm_head/kernel", LM_HEAD))
+RULES = (EMBEDDING, *attention_rules("layers"), *mlp_rules(L + "mlp.", "layers/mlp"), *OUTPUT)
 IGNORE = ("rotary_emb.inv_freq",)  # a buffer some old checkpoints saved
 
 KEYS = (  # (HF key, ModelConfig field, default)
@@ -38,6 +48,7 @@ KEYS = (  # (HF key, ModelConfig field, default)
     ("rms_norm_eps", "norm_epsilon", 1e-6),
 )
 FIXED = dict(normalization="rmsnorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False)
+DENSE_ONLY = dict(num_experts=None, qk_layernorm=False)  # export: what the dense families' tables have no tensors for
 CHECKS = (("hidden_act", ("silu",), "silu"), ("mlp_bias", (False,), False))
 
 
@@ -70,7 +81,7 @@ def rope_to_hf(m, original: dict | None) -> dict:
     return {"rope_theta": m.rotary_base, "rope_scaling": scaling}
 
 
-def _common_from_hf(hf: dict, family: str) -> dict:
+def common_from_hf(hf: dict, family: str) -> dict:
     check_values(hf, CHECKS, family)
     out = read_keys(hf, KEYS, family)
     heads = out["num_attention_heads"]
@@ -82,7 +93,7 @@ def _common_from_hf(hf: dict, family: str) -> dict:
     return out
 
 
-def _common_to_hf(m, arch: str, model_type: str, original) -> dict:
+def common_to_hf(m, arch: str, model_type: str, original) -> dict:
     check_fixed(m, FIXED, arch)
     out = {"architectures": [arch], "model_type": model_type, **write_keys(m, KEYS), "hidden_act": "silu",
            "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
@@ -92,24 +103,24 @@ def _common_to_hf(m, arch: str, model_type: str, original) -> dict:
 
 def llama_from_hf(hf: dict) -> dict:
     check_values(hf, (("attention_bias", (False,), False),), "Llama")
-    return dict(_common_from_hf(hf, "Llama"), name="llama")
+    return dict(common_from_hf(hf, "Llama"), name="llama")
 
 
 def llama_to_hf(m, original=None) -> dict:
-    check_fixed(m, dict(add_qkv_bias=False, sliding_window=None), "LlamaForCausalLM")
-    return dict(_common_to_hf(m, "LlamaForCausalLM", "llama", original), attention_bias=False, mlp_bias=False)
+    check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=False, sliding_window=None), "LlamaForCausalLM")
+    return dict(common_to_hf(m, "LlamaForCausalLM", "llama", original), attention_bias=False, mlp_bias=False)
 
 
 def mistral_from_hf(hf: dict) -> dict:
-    return dict(_common_from_hf(hf, "Mistral"), name="mistral", sliding_window=hf.get("sliding_window"))
+    return dict(common_from_hf(hf, "Mistral"), name="mistral", sliding_window=hf.get("sliding_window"))
 
 
 def mistral_to_hf(m, original=None) -> dict:
-    check_fixed(m, dict(add_qkv_bias=False), "MistralForCausalLM")
-    return dict(_common_to_hf(m, "MistralForCausalLM", "mistral", original), sliding_window=m.sliding_window)
+    check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=False), "MistralForCausalLM")
+    return dict(common_to_hf(m, "MistralForCausalLM", "mistral", original), sliding_window=m.sliding_window)
 
 
-def qwen2_window(hf: dict) -> int | None:
+def qwen2_window(hf: dict, family: str = "Qwen2") -> int | None:
     """Qwen2 windows only layers >= max_window_layers when use_sliding_window; mjax has one window for all."""
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
@@ -120,20 +131,25 @@ def qwen2_window(hf: dict) -> int | None:
         return None
     if all(t == "sliding_attention" for t in types) and hf.get("sliding_window"):
         return hf["sliding_window"]
-    raise ConversionError(f"Qwen2: layer_types {types} mix full and sliding-window attention; mjax supports one "
+    raise ConversionError(f"{family}: layer_types {types} mix full and sliding-window attention; mjax supports one "
                           "window for every layer")
 
 
 def qwen2_from_hf(hf: dict) -> dict:
-    return dict(_common_from_hf(hf, "Qwen2"), name="qwen2", add_qkv_bias=True, sliding_window=qwen2_window(hf))
+    return dict(common_from_hf(hf, "Qwen2"), name="qwen2", add_qkv_bias=True, sliding_window=qwen2_window(hf))
+
+
+def qwen2_window_to_hf(m) -> dict:
+    """Qwen2's keys for mjax's one window (or none) over every layer."""
+    window = m.sliding_window
+    return dict(use_sliding_window=window is not None, sliding_window=window,
+                max_window_layers=0 if window else m.num_layers,
+                layer_types=["sliding_attention" if window else "full_attention"] * m.num_layers)
 
 
 def qwen2_to_hf(m, original=None) -> dict:
-    check_fixed(m, dict(add_qkv_bias=True), "Qwen2ForCausalLM")
-    window = m.sliding_window
-    return dict(_common_to_hf(m, "Qwen2ForCausalLM", "qwen2", original), use_sliding_window=window is not None,
-                sliding_window=window, max_window_layers=0 if window else m.num_layers,
-                layer_types=["sliding_attention" if window else "full_attention"] * m.num_layers)
+    check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=True), "Qwen2ForCausalLM")
+    return dict(common_to_hf(m, "Qwen2ForCausalLM", "qwen2", original), **qwen2_window_to_hf(m))
 
 
 LLAMA = Family("llama", ("LlamaForCausalLM",), RULES, llama_from_hf, llama_to_hf, IGNORE)

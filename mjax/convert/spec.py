@@ -2,9 +2,16 @@
 
 A `Rule` ties one Hugging Face tensor to one or more mjax parameters (several when HF fuses them, e.g. GPT-2's
 `c_attn` = Q, K, V). A `Transform` converts in both directions and states the HF shape it expects, so a wrong
-checkpoint fails with the tensor's name instead of a reshape error. Names containing `{i}` are per layer; their mjax
-parameters are stacked on a leading `layers` axis. Rules whose mjax parameters the model does not have (a bias the
-config turns off, `lm_head` when embeddings are tied) are skipped.
+checkpoint fails with the tensor's name instead of a reshape error. Rules whose mjax parameters the model does not
+have (a bias the config turns off, `lm_head` when embeddings are tied, the dense stack of an all-MoE model) are
+skipped.
+
+Names containing `{i}` are per layer: their mjax parameters live in one stack of blocks, `layers/...` (the dense
+blocks) or `moe_layers/...` (the MoE blocks), stacked on a leading axis in model order, and `{i}` runs over the HF
+layer indices of that stack's kind only (ModelConfig.moe_layer_pattern()): with pattern [MoE, dense, MoE] a
+`moe_layers/...` rule reads HF layers 0 and 2 into rows 0 and 1, a `layers/...` rule HF layer 1 into row 0. Names
+that also contain `{j}` are per routed expert (one HF tensor per expert, as the Hub stores them): their mjax
+parameters have a second stacked axis, [layers of the stack, experts, ...].
 """
 
 import dataclasses
@@ -23,9 +30,12 @@ class InputError(ConversionError):
     holds a model, a tokenizer that cannot be written. The scripts exit with code 2 on it."""
 
 
+STACKS = ("layers", "moe_layers")  # mjax's stacked blocks: dense, MoE (mjax.model.transformer)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """Sizes the transforms need, from a ModelConfig."""
+    """Sizes the transforms need, and the layer layout, from a ModelConfig."""
     d: int  # hidden
     n: int  # query heads
     k: int  # KV heads
@@ -33,12 +43,22 @@ class Dims:
     f: int  # MLP hidden
     v: int  # vocab (tokenizer)
     vp: int  # padded vocab (mjax tables)
-    layers: int
+    moe_pattern: tuple[bool, ...]  # per HF layer: whether it is an MoE block
+    e: int = 0  # routed experts per MoE layer
 
     @classmethod
     def of(cls, m) -> "Dims":
         return cls(m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                   m.vocab_size, m.padded_vocab_size(), m.num_layers)
+                   m.vocab_size, m.padded_vocab_size(), m.moe_layer_pattern(), m.num_experts or 0)
+
+    @property
+    def layers(self) -> int:
+        return len(self.moe_pattern)
+
+    def layer_indices(self, stack: str) -> list[int]:
+        """The HF layer indices whose blocks stack `stack` holds, in order (row r of the stack is HF layer [r])."""
+        moe = STACKS.index(stack) == 1
+        return [i for i, is_moe in enumerate(self.moe_pattern) if is_moe == moe]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +126,34 @@ def fused(parts: tuple[Transform, ...], axis: int, sizes: Callable[[Dims], tuple
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    hf: str  # HF tensor name; `{i}` marks a per-layer tensor
+    hf: str  # HF tensor name; `{i}` marks a per-layer tensor, `{j}` (with `{i}`) a per-expert one
     mjax: tuple[str, ...]  # mjax parameter paths, "/"-separated ("layers/attn/q_proj/kernel")
     transform: Transform = IDENTITY
+
+    def __post_init__(self):  # a malformed table is a programming error: fail when the module loads
+        stacks = {p.split("/", 1)[0] for p in self.mjax}
+        if self.per_layer and (len(stacks) != 1 or not stacks <= set(STACKS)):
+            raise ValueError(f"rule {self.hf!r}: per-layer targets must all be in one of {STACKS}: {self.mjax}")
+        if self.per_expert and not self.per_layer:
+            raise ValueError(f"rule {self.hf!r}: a per-expert name ({{j}}) must be per layer ({{i}}) too")
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
+
+    @property
+    def stack(self) -> str | None:
+        """The stack of blocks a per-layer rule's parameters live in; None for a whole-model tensor."""
+        return self.mjax[0].split("/", 1)[0] if self.per_layer else None
+
+    @property
+    def stacked_axes(self) -> int:
+        """Leading axes of the mjax parameters that the rule's HF tensors are stacked on (layers, experts)."""
+        return int(self.per_layer) + int(self.per_expert)
 
 
 def rule(hf: str, mjax: str | tuple[str, ...], transform: Transform = IDENTITY) -> Rule:
@@ -149,8 +190,16 @@ class Family:
                                   "this config is outside what the family's table covers")
         return active
 
-    def hf_names(self, r: Rule, layers: int) -> list[str]:
-        return [r.hf.format(i=i) for i in range(layers)] if r.per_layer else [r.hf]
+    @staticmethod
+    def hf_tensors(r: Rule, dims: Dims) -> list[tuple[tuple, str]]:
+        """[(index into the stacked mjax arrays, HF name)] of a rule, in stacking order: () for a whole-model
+        tensor, (row,) per layer of the rule's stack, (row, expert) per expert."""
+        if not r.per_layer:
+            return [((), r.hf)]
+        layers = dims.layer_indices(r.stack)
+        if not r.per_expert:
+            return [((row,), r.hf.format(i=i)) for row, i in enumerate(layers)]
+        return [((row, j), r.hf.format(i=i, j=j)) for row, i in enumerate(layers) for j in range(dims.e)]
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
