@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mjax.config import ModelConfig
 from mjax.convert import ConversionError, hf_to_mjax, mjax_to_hf
 from mjax.convert.hf import iter_params, model_config_from_hf
 from mjax.convert.safetensors_io import SafetensorsWriter
@@ -82,12 +83,83 @@ def test_tied_checkpoint_may_carry_lm_head_and_gpt2_mask_buffers(tmp_path):
     ("qwen2_tied", lambda c: c.update(layer_types=["full_attention", "sliding_attention"], sliding_window=4),
      "mix full and sliding-window"),
     ("llama_tied_mha", lambda c: c.pop("num_hidden_layers"), "no 'num_hidden_layers'"),
+    # mixtures of experts
+    ("mixtral", lambda c: c.update(router_jitter_noise=0.1), "Mixtral: config.json router_jitter_noise=0.1 is not"),
+    ("mixtral", lambda c: c.pop("num_local_experts"), "Mixtral config.json has no 'num_local_experts'"),
+    ("qwen2_moe", lambda c: c.update(mlp_only_layers=[0, 1, 2]), "mlp_only_layers / decoder_sparse_step make every "
+                                                                 "layer dense"),
+    ("qwen2_moe", lambda c: c.pop("shared_expert_intermediate_size"), "no 'shared_expert_intermediate_size'"),
+    ("qwen2_moe", lambda c: c.update(layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                     sliding_window=4), "Qwen2-MoE: layer_types .* mix full and sliding-window"),
+    ("qwen3_moe", lambda c: c.update(attention_bias=True), "Qwen3-MoE: config.json attention_bias=True"),
+    ("qwen3_moe", lambda c: c.update(use_sliding_window=True, sliding_window=8), "use_sliding_window=True"),
+    ("olmoe", lambda c: c.update(clip_qkv=8.0), "OLMoE: config.json clip_qkv=8.0 is not supported"),
+    ("olmoe", lambda c: c.update(head_dim=32), "head_dim=32 is not hidden_size / num_attention_heads"),
+    ("olmoe", lambda c: c.update(hidden_act="gelu"), "OLMoE: config.json hidden_act='gelu'"),
 ])
 def test_unsupported_config_is_named(name, edit, match):
     cfg = json.loads((FIXTURES / name / "config.json").read_text())
     edit(cfg)
     with pytest.raises(ConversionError, match=match):
         model_config_from_hf(cfg)
+
+
+DEEPSEEK = {"architectures": ["DeepseekForCausalLM"], "model_type": "deepseek", "hidden_size": 64,
+            "intermediate_size": 96, "moe_intermediate_size": 16, "num_attention_heads": 4, "num_hidden_layers": 3,
+            "vocab_size": 300, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(scoring_func="sigmoid"), "DeepSeek-MoE: config.json scoring_func='sigmoid' is not supported"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling=.*is not supported"),
+    (dict(first_k_dense_replace=3), "first_k_dense_replace=3 / moe_layer_freq=1 make every layer dense"),
+    (dict(n_routed_experts=None), "no 'n_routed_experts'"),
+    (dict(head_dim=32), "head_dim=32: DeepSeek's attention uses hidden_size / num_attention_heads"),
+])
+def test_unsupported_deepseek_config_is_named(edit, match):
+    model_config_from_hf(DEEPSEEK)  # the base config converts
+    with pytest.raises(ConversionError, match=match):
+        model_config_from_hf(dict(DEEPSEEK, **edit))
+
+
+def _moe_model(**fields):
+    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=300,
+                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize("arch, fields, match", [
+    ("MixtralForCausalLM", dict(num_experts=None), "cannot write a dense model"),
+    ("MixtralForCausalLM", dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True as MixtralForCausalLM"),
+    ("MixtralForCausalLM", dict(moe_layer_freq="[1,0,1]"), r"cannot write dense layers \(--moe_layer_freq=\[1,0,1\]"),
+    ("MixtralForCausalLM", dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
+    ("MixtralForCausalLM", dict(moe_router_topk_scaling_factor=2.5), "moe_router_topk_scaling_factor=2.5"),
+    ("Qwen2MoeForCausalLM", dict(moe_shared_expert_intermediate_size=32), "moe_shared_expert_gate=False"),
+    ("Qwen3MoeForCausalLM", dict(), "model.qk_layernorm=False as Qwen3MoeForCausalLM"),
+    ("OlmoeForCausalLM", dict(qk_layernorm=True), "qk_layernorm_across_heads=False as OlmoeForCausalLM"),
+    ("DeepseekForCausalLM", dict(moe_layer_freq="[0,1,1,0,1]", num_layers=5), r"layer pattern \[0, 1, 1, 0, 1\]"),
+    ("DeepseekForCausalLM", dict(moe_router_topk=1), "moe_router_pre_softmax=False with --moe_router_topk=1"),
+    ("DeepseekForCausalLM", dict(moe_shared_expert_intermediate_size=40), "n_shared_experts \\* moe_intermediate"),
+    ("DeepseekForCausalLM", dict(moe_router_num_groups=2, moe_router_group_topk=1), "moe_router_num_groups=2"),
+])
+def test_moe_config_the_architecture_cannot_express_is_named(arch, fields, match):
+    from mjax.convert.hf import FAMILIES
+
+    with pytest.raises(ConversionError, match=match):
+        FAMILIES[arch].config_to_hf(_moe_model(**fields))
+
+
+def test_moe_export_to_an_incompatible_architecture_writes_nothing(tmp_path):
+    """Qwen2-MoE (not renormalised, a dense layer, shared experts) as Mixtral, Qwen3-MoE or the dense Qwen2: refused,
+    naming the setting, before any tensor is written."""
+    hf_to_mjax(FIXTURES / "qwen2_moe", tmp_path / "m")
+    with pytest.raises(ConversionError, match=r"model.moe_router_pre_softmax=True as MixtralForCausalLM"):
+        mjax_to_hf(tmp_path / "m", tmp_path / "h", architecture="MixtralForCausalLM")
+    with pytest.raises(ConversionError, match="model.qk_layernorm=False as Qwen3MoeForCausalLM"):
+        mjax_to_hf(tmp_path / "m", tmp_path / "h", architecture="Qwen3MoeForCausalLM")
+    with pytest.raises(ConversionError, match=r"model.num_experts=4 as Qwen2ForCausalLM \(it needs None\)"):
+        mjax_to_hf(tmp_path / "m", tmp_path / "h", architecture="Qwen2ForCausalLM")
+    assert not (tmp_path / "h").exists() or not any((tmp_path / "h").iterdir())
 
 
 def test_not_a_model_directory(tmp_path):

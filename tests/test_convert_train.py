@@ -23,7 +23,8 @@ def _batches(tokens):
         yield {k: v.copy() for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt2"])  # llama3_gqa goes through scripts/train.py below
+# qwen2_moe: dense and MoE stacks, shared experts; llama3_gqa goes through scripts/train.py below
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_moe"])
 def test_first_step_loss_equals_hf_loss(name, tmp_path):
     from mjax.train.loop import build, train
     from mjax.train.state import TrainState
