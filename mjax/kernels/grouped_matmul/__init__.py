@@ -8,6 +8,11 @@ or past sum(group_sizes) are padding and give zero output rows and zero gradient
 Differentiable in x and w: dx = grouped(dy, w^T), dw[g] = x_g^T dy_g (zeros for an empty group). Works under
 jax.vmap (x [B, M, K], group_sizes [B, G], w shared or batched).
 
+    ys = fp8_grouped_matmul(x, (w, ...), group_sizes, (meta, ...), fp8_spec, *, impl="auto", tiling=None)
+
+is the same product with per-tensor FP8 (--fp8_recipe=delayed | tensorwise; fp8.py): meta [G, 3] f32 per weight,
+whose cotangent is the amaxes observed; several weights may share one quantization of x (the MoE gate and up).
+
 impl (the flag --moe_grouped_gemm_impl):
     xla     jax.lax.ragged_dot (reference.py); gradients by autodiff. Dense expansion on the GPU image.
     pallas  the Triton kernels (pallas.py): forward, dgrad and wgrad; interpreted off GPU.
@@ -22,10 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from mjax.kernels.grouped_matmul.reference import grouped_matmul_reference
-from mjax.kernels.grouped_matmul.tiling import DTYPES, KernelTile, Tiling, default_tiling, tiling_problem
+from mjax.kernels.grouped_matmul.tiling import (DTYPES, KernelTile, Tiling, default_fp8_tiling, default_tiling,
+                                                fp8_tiling_problem, tiling_problem)
 
-__all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "choose_impl", "grouped_matmul",
-           "resolve_tiling", "why_unsupported"]
+__all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "choose_impl", "fp8_grouped_matmul",
+           "grouped_matmul", "resolve_tiling", "why_unsupported"]
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +46,21 @@ class GroupedMatmulUnsupported(ValueError):
     """The requested grouped-matmul implementation cannot do this call; the message names the option to change."""
 
 
-def resolve_tiling(tiling: Tiling | None, dtype, k: int, n: int) -> Tiling | None:
-    """The tiling the kernels run with: `tiling`, or the defaults for this dtype and shape (None: none fits)."""
-    return tiling if tiling is not None else default_tiling(dtype, k, n)
+def resolve_tiling(tiling: Tiling | None, dtype, k: int, n: int, fp8_grad=None) -> Tiling | None:
+    """The tiling the kernels run with: `tiling`, or the defaults for this dtype and shape (None: none fits).
+    fp8_grad: the gradient's FP8 dtype when the call is an FP8 one (its backward tiles depend on it)."""
+    if tiling is not None:
+        return tiling
+    if fp8_grad is not None:
+        return default_fp8_tiling(k, n, grad_native=jnp.dtype(fp8_grad) == jnp.dtype(jnp.float8_e4m3fn))
+    return default_tiling(dtype, k, n)
 
 
 def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
-                    m: int | None = None, groups: int | None = None) -> str | None:
+                    m: int | None = None, groups: int | None = None, fp8_grad=None) -> str | None:
     """The capability table: None if `impl` can do x [M, K] . w [G, K, N] in `dtype`, else the reason in words.
-    Pure in its arguments (no device is consulted); M and G, when given, are checked too."""
+    Pure in its arguments (no device is consulted); M and G, when given, are checked too. fp8_grad (an FP8 dtype):
+    the FP8 kernels, with `dtype` the compute dtype x and the results have and the gradient quantized to fp8_grad."""
     if impl == "xla":
         return None
     if impl == "pallas":
@@ -61,7 +73,12 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
             return (f"pallas addresses its operands with 32-bit offsets, and x [{m}, {k}] . w [{groups}, {k}, {n}] "
                     f"has an operand of {largest} elements (more than {MAX_ELEMENTS}); split the tokens or the "
                     "experts over devices (--ep)")
-        chosen = resolve_tiling(tiling, dtype, k, n)
+        chosen = resolve_tiling(tiling, dtype, k, n, fp8_grad)
+        if fp8_grad is not None:
+            if chosen is None:
+                return (f"the FP8 kernels tile K and N in whole blocks of at least 32; K={k}, N={n} are not "
+                        "multiples of 32")
+            return fp8_tiling_problem(chosen, k, n)
         if chosen is None:
             return f"pallas tiles K and N in whole blocks of at least 16; K={k}, N={n} are not multiples of 16"
         return tiling_problem(chosen, dtype, k, n)
@@ -69,28 +86,29 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
 
 
 def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
-                m: int | None = None, groups: int | None = None) -> str:
+                m: int | None = None, groups: int | None = None, fp8_grad=None) -> str:
     """The implementation `impl` resolves to on `backend`: auto is pallas on a GPU (raising when the kernels cannot
     take the call) and xla elsewhere; an explicit choice is checked, never replaced."""
     if impl not in IMPLS:
         raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
+    facts = dict(backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups, fp8_grad=fp8_grad)
     if impl == "auto":
         if backend != "gpu":
             return "xla"
-        reason = why_unsupported("pallas", backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups)
+        reason = why_unsupported("pallas", **facts)
         if reason:
             raise GroupedMatmulUnsupported(
                 f"{FLAG}=auto picks the Pallas kernels on a GPU, and they cannot do this call: {reason}. Set "
                 f"{FLAG}=xla to run lax.ragged_dot on purpose (a dense expansion here, about 10x slower).")
         return "pallas"
-    reason = why_unsupported(impl, backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups)
+    reason = why_unsupported(impl, **facts)
     if reason:
         raise GroupedMatmulUnsupported(f"{FLAG}={impl} cannot do this call: {reason}. Choose another tiling or "
                                        f"{FLAG}=xla.")
     return impl
 
 
-def _check_operands(x, w, group_sizes):
+def _check_operands(x, w, group_sizes, same_dtype: bool = True):
     if x.ndim != 2 or w.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(f"grouped_matmul expects x [M, K], w [G, K, N] and group_sizes [G] (a batch goes through "
                          f"jax.vmap); got x{x.shape}, w{w.shape}, group_sizes{group_sizes.shape}")
@@ -99,7 +117,7 @@ def _check_operands(x, w, group_sizes):
                          f"group_sizes{group_sizes.shape}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"grouped_matmul: group_sizes must be integers, not {group_sizes.dtype}")
-    if x.dtype != w.dtype:
+    if same_dtype and x.dtype != w.dtype:
         raise ValueError(f"grouped_matmul needs x and w of one dtype; got {x.dtype} and {w.dtype}")
 
 
@@ -117,6 +135,37 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
 
     return grouped_matmul_pallas(x, w, group_sizes.astype(jnp.int32), resolve_tiling(tiling, x.dtype, k, n),
                                  backend != "gpu")
+
+
+def fp8_grouped_matmul(x, w, group_sizes, meta, spec, *, impl: str = "auto", tiling: Tiling | None = None):
+    """The grouped matmul in per-tensor FP8 (fp8.py): x [M, K] in the compute dtype, w one [G, K, N] (any float
+    dtype; the master weights) or a tuple of them reading the same x, meta [G, 3] f32 (a tuple with w's), spec an
+    mjax.kernels.fp8.Fp8Spec -> y [M, N] in x.dtype (a tuple with w's). Raises GroupedMatmulUnsupported (naming
+    --moe_grouped_gemm_impl) when `impl` cannot do the call."""
+    from mjax.kernels.grouped_matmul.fp8 import GroupedFp8Plan, grouped_fp8  # noqa: PLC0415  (imports the kernels)
+
+    many = isinstance(w, (tuple, list))
+    ws, metas = (tuple(w), tuple(meta)) if many else ((w,), (meta,))
+    if len(ws) != len(metas) or not ws:
+        raise ValueError(f"fp8_grouped_matmul: one meta per weight, got {len(ws)} weights and {len(metas)} metas")
+    if spec.recipe not in ("delayed", "tensorwise"):
+        raise ValueError(f"fp8_grouped_matmul takes --fp8_recipe=delayed|tensorwise, not {spec.recipe!r}")
+    for wi, mi in zip(ws, metas):
+        _check_operands(x, wi, group_sizes, same_dtype=False)  # w: the master weights, quantized here
+        if mi.shape != (wi.shape[0], 3):
+            raise ValueError(f"fp8_grouped_matmul: meta must be [G, 3] = [{wi.shape[0]}, 3] for w{wi.shape}, got "
+                             f"{mi.shape}")
+    (m, k), backend = x.shape, jax.default_backend()
+    grad_dtype = spec.dtypes[1]
+    chosen = {choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
+                          groups=wi.shape[0], fp8_grad=grad_dtype) for wi in ws}.pop()
+    for wi in ws:
+        _log_choice(impl, chosen, (m, k), tuple(wi.shape), f"{x.dtype} fp8 {spec.recipe} {spec.format}")
+    tilings = tuple(resolve_tiling(tiling, x.dtype, k, wi.shape[2], grad_dtype) if chosen == "pallas" else None
+                    for wi in ws)
+    plan = GroupedFp8Plan(spec, chosen, tilings, interpret=chosen == "pallas" and backend != "gpu")
+    ys = grouped_fp8(x, ws, group_sizes.astype(jnp.int32), tuple(jnp.asarray(mi, jnp.float32) for mi in metas), plan)
+    return ys if many else ys[0]
 
 
 @functools.cache

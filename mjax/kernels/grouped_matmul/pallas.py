@@ -25,10 +25,13 @@ from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, ro
 from mjax.kernels.grouped_matmul.tiling import KernelTile, Tiling
 
 
-def _row_block_kernel(visits_ref, a_ref, w_ref, out_ref, *, tile: KernelTile, n_visits: int, n_col_blocks: int,
-                      rows: int, groups: int, depth: int, transpose_w: bool):
+def _row_block_kernel(visits_ref, a_ref, w_ref, *refs, tile: KernelTile, n_visits: int, n_col_blocks: int,
+                      rows: int, groups: int, depth: int, transpose_w: bool, upcast):
     """One (row-block visit, column block) of out = a . w[g] (forward: a = x, w[g] [K, N]) or of
-    out = a . w[g]^T (dgrad: a = dy, w[g] read as [K, N] tiles and contracted transposed)."""
+    out = a . w[g]^T (dgrad: a = dy, w[g] read as [K, N] tiles and contracted transposed). With a scale operand
+    (refs = scale_ref, out_ref; FP8 operands) the f32 product of group g is multiplied by scale[g] before the store;
+    `upcast`: a dtype both operand tiles are converted to before the dot (FP8 of two formats, see fp8_pallas.py)."""
+    scale_ref, out_ref = refs if len(refs) == 2 else (None, *refs)
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
     group, block, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
@@ -47,14 +50,18 @@ def _row_block_kernel(visits_ref, a_ref, w_ref, out_ref, *, tile: KernelTile, n_
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             a = pltriton.load(a_ref.at[pl.ds(row0, bm), pl.ds(k0, bk)], mask=in_bounds,
-                              other=None if in_bounds is None else 0)  # [bm, bk]
+                              other=None if in_bounds is None else jnp.zeros((), a_ref.dtype))  # [bm, bk]
             if transpose_w:
                 b = w_ref[group, pl.ds(col0, bn), pl.ds(k0, bk)]  # [bn, bk] of w[g] [K, N]
-                return acc + dot(a, b, trans_b=True)
-            b = w_ref[group, pl.ds(k0, bk), pl.ds(col0, bn)]  # [bk, bn]
-            return acc + dot(a, b)
+            else:
+                b = w_ref[group, pl.ds(k0, bk), pl.ds(col0, bn)]  # [bk, bn]
+            if upcast is not None:
+                a, b = a.astype(upcast), b.astype(upcast)
+            return acc + dot(a, b, trans_b=transpose_w)
 
         acc = lax.fori_loop(0, depth // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        if scale_ref is not None:
+            acc = acc * scale_ref[group]
         pltriton.store(out, acc.astype(out_ref.dtype), mask=keep)
 
     @pl.when(group == groups)
@@ -62,8 +69,10 @@ def _row_block_kernel(visits_ref, a_ref, w_ref, out_ref, *, tile: KernelTile, n_
         pltriton.store(out, jnp.zeros((bm, bn), out_ref.dtype), mask=keep)
 
 
-def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, interpret: bool, name: str):
-    """a [M, D], w [G, D, C] (or [G, C, D] read transposed) -> [M, C] in a.dtype."""
+def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, interpret: bool, name: str,
+                     scale=None, upcast=None, out_dtype=None):
+    """a [M, D], w [G, D, C] (or [G, C, D] read transposed) -> [M, C] in out_dtype (default a.dtype). `scale` [G]
+    f32 multiplies group g's product (the FP8 kernels' dequantization)."""
     rows, depth = a.shape
     groups = w.shape[0]
     cols = w.shape[1] if transpose_w else w.shape[2]
@@ -71,15 +80,15 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     n_visits = max_row_tiles(rows, groups, tile.block_m)
     n_col_blocks = cols // tile.block_n
     kernel = functools.partial(_row_block_kernel, tile=tile, n_visits=n_visits, n_col_blocks=n_col_blocks,
-                               rows=rows, groups=groups, depth=depth, transpose_w=transpose_w)
+                               rows=rows, groups=groups, depth=depth, transpose_w=transpose_w, upcast=upcast)
     return pl.pallas_call(
         kernel,
         grid=(n_visits * n_col_blocks,),
-        out_shape=jax.ShapeDtypeStruct((rows, cols), a.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, cols), out_dtype or a.dtype),
         compiler_params=compiler_params(tile.num_warps, tile.num_stages),
         interpret=interpret,
         name=name,
-    )(visits, a, w)
+    )(visits, a, w, *(() if scale is None else (scale,)))
 
 
 def _wgrad_kernel(bounds_ref, x_ref, dy_ref, dw_ref, *, tile: KernelTile, n_k_blocks: int, n_n_blocks: int):
@@ -124,14 +133,14 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, interpret: bool, out_dtype):
 @functools.partial(jax.jit, static_argnames=("tile", "interpret"))
 def forward(x, w, group_sizes, *, tile: KernelTile, interpret: bool):
     """y [M, N] = x [M, K] . w[g] [K, N] per group, zero rows past sum(group_sizes); y in x.dtype."""
-    return _row_block_matmul(x, w, group_sizes, tile=tile, transpose_w=False, interpret=interpret,
+    return row_block_matmul(x, w, group_sizes, tile=tile, transpose_w=False, interpret=interpret,
                              name="mjax_grouped_matmul_fwd")
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "interpret"))
 def dgrad(dy, w, group_sizes, *, tile: KernelTile, interpret: bool):
     """dx [M, K] = dy [M, N] . w[g]^T per group, zero rows past sum(group_sizes); dx in dy.dtype."""
-    return _row_block_matmul(dy, w, group_sizes, tile=tile, transpose_w=True, interpret=interpret,
+    return row_block_matmul(dy, w, group_sizes, tile=tile, transpose_w=True, interpret=interpret,
                              name="mjax_grouped_matmul_dgrad")
 
 

@@ -36,22 +36,23 @@ def _batch_every_operand(fn):
     return wrapped
 
 
-_forward = _batch_every_operand(_product)
-_backward = _batch_every_operand(_product_vjp)
+# The product and its vjp, batchable with any operand unbatched (also the FP8 path's GEMMs on dequantized operands).
+ragged_product = _batch_every_operand(_product)
+ragged_product_vjp = _batch_every_operand(_product_vjp)
 
 
 @jax.custom_vjp
 def _reference(x, w, group_sizes):
-    return _forward(x, w, group_sizes)
+    return ragged_product(x, w, group_sizes)
 
 
 def _reference_fwd(x, w, group_sizes):
-    return _forward(x, w, group_sizes), (x, w, group_sizes)
+    return ragged_product(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _reference_bwd(residuals, dy):
     x, w, group_sizes = residuals
-    return (*_backward(x, w, group_sizes, dy.astype(x.dtype)), None)
+    return (*ragged_product_vjp(x, w, group_sizes, dy.astype(x.dtype)), None)
 
 
 _reference.defvjp(_reference_fwd, _reference_bwd)

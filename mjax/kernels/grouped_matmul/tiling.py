@@ -14,6 +14,10 @@ import re
 import jax.numpy as jnp
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+# FP8 tensor-core instructions contract 32 elements at a time (mma k32, wgmma k32): depth steps of the FP8 kernels
+# are at least that.
+FP8_MIN_DEPTH = 32
 # Shared memory one thread block may use on H100/H200 (227 KiB); the pipelined loads hold num_stages copies of an
 # operand tile pair. A tile that needs more fails inside Triton's compiler with an opaque resource error.
 SHARED_MEMORY_BYTES = 227 * 1024
@@ -101,6 +105,39 @@ def default_tiling(dtype, k: int, n: int) -> Tiling | None:
     wide = bn == 256
     return Tiling(forward, dgrad, KernelTile(bm, bn, depths[0], num_warps=8 if wide else 4,
                                              num_stages=3 if wide else 4))
+
+
+def default_fp8_tiling(k: int, n: int, grad_native: bool) -> Tiling | None:
+    """Tiles of the FP8 kernels (fp8_pallas.py); None when K or N is not a multiple of 32. A dot of FP8 operands
+    steps 128 deep (128 bytes a row, as the 16-bit kernels' 64); the backward of --fp8_format=hybrid converts its
+    e5m2 x e4m3 tiles to float16 (`grad_native` False) and so steps 64 deep, like the 16-bit kernels. Untuned: the
+    sweep is `benchmarks/bench_grouped_matmul.py --fp8 --tilings=...` on the GPU."""
+    native, upcast = (128, 64, 32), (64, 32)
+
+    def gemm(cols: int, depth: int, depths) -> KernelTile | None:
+        bn, bk = _largest_dividing(cols, (256, 128, 64, 32)), _largest_dividing(depth, depths)
+        if bn is None or bk is None:
+            return None
+        wide = bn == 256
+        return KernelTile(128, bn, bk, num_warps=8 if wide else 4, num_stages=3 if wide else 4)
+
+    back = native if grad_native else upcast
+    forward, dgrad = gemm(n, k, native), gemm(k, n, back)
+    bm, bn = _largest_dividing(k, (128, 64, 32)), _largest_dividing(n, (256, 128, 64, 32))
+    if forward is None or dgrad is None or bm is None or bn is None:
+        return None
+    wide = bn == 256
+    return Tiling(forward, dgrad, KernelTile(bm, bn, back[0], num_warps=8 if wide else 4,
+                                             num_stages=3 if wide else 4))
+
+
+def fp8_tiling_problem(tiling: Tiling, k: int, n: int) -> str | None:
+    """None if every FP8 kernel of `tiling` can run x [M, K] . w [G, K, N] (1-byte operands), else the reason."""
+    for kernel in ("forward", "dgrad", "wgrad"):
+        tile = getattr(tiling, kernel)
+        if tile.block_k < FP8_MIN_DEPTH:
+            return f"the FP8 {kernel} tile {tile} steps {tile.block_k} deep; FP8 dots need block_k >= {FP8_MIN_DEPTH}"
+    return tiling_problem(tiling, jnp.float8_e4m3fn, k, n)
 
 
 def kernel_tile_problem(kernel: str, tile: KernelTile, dtype, k: int, n: int) -> str | None:
