@@ -135,9 +135,13 @@ def validate_moe(cfg: Config) -> None:
         raise ConfigError("--moe_pad_expert_input_to_capacity needs --moe_expert_capacity_factor")
     if m.add_bias_linear:
         raise ConfigError("--add_bias_linear: MoE experts have no biases; unset it for MoE models")
-    if cfg.precision.fp8_recipe or cfg.precision.fp4_recipe:
-        raise ConfigError("MoE expert GEMMs have no FP8/FP4 path yet: train MoE models without --fp8_recipe / "
-                          "--fp4_recipe")
+    pr = cfg.precision
+    if pr.fp4_recipe in kernels.FP4_RECIPES:
+        raise ConfigError(f"--fp4_recipe={pr.fp4_recipe} with MoE layers is not supported: the expert GEMMs run in "
+                          "FP8 with --fp8_recipe=delayed|tensorwise, or in the compute dtype; drop --fp4_recipe")
+    if pr.fp8_recipe in kernels.FP8_RECIPES and pr.fp8_recipe not in kernels.PER_TENSOR_FP8_RECIPES:
+        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with MoE layers is not supported: the expert GEMMs take "
+                          "per-tensor scales; use --fp8_recipe=delayed or --fp8_recipe=tensorwise")
     if p.pp > 1:
         stage = m.num_layers // (p.pp * p.vpp)
         if any(pattern[i] != pattern[i % stage] for i in range(m.num_layers)):

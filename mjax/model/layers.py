@@ -101,9 +101,10 @@ shared_meta.defvjp(lambda metas: (jnp.min(metas, axis=0), metas.shape[0]),
 
 
 def without_quant(module):
-    """Turns every Linear in `module` back to the compute-dtype matmul (layers kept in bf16); returns module."""
+    """Turns every quantized layer in `module` (each Linear, and any other module holding a precision policy as
+    `quant`: the MoE experts) back to the compute-dtype matmul (layers kept in bf16); returns module."""
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, Linear):
+        if isinstance(node, nnx.Module) and getattr(node, "quant", None) is not None:
             node.quant = None
     return module
 

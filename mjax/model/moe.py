@@ -13,6 +13,8 @@ Parameters (names are what checkpoints and conversion tables use; logical axes i
     shared_expert_gate/kernel     [D, 1]     ("embed", None)            with --moe_shared_expert_gate:
                                   y_shared * sigmoid(x @ gate) (Qwen2-MoE)
 F = --moe_ffn_hidden_size (default --ffn_hidden_size). Experts are SwiGLU (--activation=swiglu) or GELU.
+With --fp8_recipe=delayed|tensorwise each expert projection also holds experts/*/fp8_meta [E, 3]: per expert the
+(input, weight, output-gradient) scales, an Fp8Meta as a Linear's [3] (not a parameter; mjax/train/fp8_state.py).
 
 Forward: the router logits x @ router/kernel in --moe_router_dtype (full-precision matmul), router.route picks the
 top-k, then per dispatch group (one per shard of the logical `batch` axis, so under data parallelism the sort stays
@@ -20,7 +22,10 @@ local; 1 without a mesh) the assignments are sorted by expert (moe_dispatch.py),
 one grouped GEMM on their [E, D, F, 2] concatenation, the SwiGLU output is multiplied by the routing weight (where
 Megatron applies it), the down projection is a second grouped GEMM, and each token sums its slots. The grouped GEMMs
 go through mjax.kernels.grouped_matmul with impl = --moe_grouped_gemm_impl (cfg.moe_grouped_gemm_impl, default
-auto). Dropless
+auto); under a per-tensor FP8 policy through its fp8_grouped_matmul (gate and up share one quantization of the
+dispatched rows; x and the gradients have one scale per tensor over all dispatch groups, the weights one per
+expert; kernels/grouped_matmul/fp8.py). The router stays in full precision (as Megatron keeps it out of FP8), the
+shared experts are an MLP and quantize as any MLP, the shared-expert gate stays unquantized. Dropless
 results do not depend on the number of dispatch groups; with --moe_expert_capacity_factor the capacity (and so what
 is dropped) is per dispatch group, as Megatron's is per rank. Shared experts (and their gate) are added last.
 
@@ -55,9 +60,11 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.grouped_matmul import grouped_matmul
+from mjax.kernels.grouped_matmul import fp8_grouped_matmul, grouped_matmul
+from mjax.kernels.options import PER_TENSOR_FP8_RECIPES
+from mjax.kernels.quant import per_tensor_spec
 from mjax.model import router as moe_router
-from mjax.model.layers import Linear, output_std
+from mjax.model.layers import Fp8Meta, Linear, output_std
 from mjax.model.mlp import MLP
 from mjax.model.moe_dispatch import permute, plan_dispatch, row_weights, unpermute
 from mjax.model.sharding import constrain, param, shards
@@ -84,60 +91,89 @@ class Router(nnx.Module):
 
 
 class ExpertKernel(nnx.Module):
-    """The stacked kernels [E, in, out] of one projection of every expert."""
+    """The stacked kernels [E, in, out] of one projection of every expert, and with FP8 their scales [E, 3]."""
 
-    def __init__(self, shape, axes, *, std, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, shape, axes, *, std, param_dtype, fp8: bool = False, rngs: nnx.Rngs):
         self.kernel = param(_normal(rngs, shape, std, param_dtype), axes)
+        self.fp8_meta = Fp8Meta(jnp.ones((shape[0], 3), jnp.float32), logical_axes=(None, None)) if fp8 else None
 
 
 class Experts(nnx.Module):
-    def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, param_dtype, quant=None, rngs: nnx.Rngs):
         e, d = cfg.num_experts, cfg.hidden_size
         f = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
         self.gated = cfg.activation == "swiglu"
-        up = dict(axes=("experts", "embed", "mlp"), std=cfg.init_method_std, param_dtype=param_dtype, rngs=rngs)
+        self.quant = quant  # None: compute-dtype GEMMs (also what mjax.model.layers.without_quant sets)
+        fp8 = quant is not None and quant.has_fp8_meta
+        up = dict(axes=("experts", "embed", "mlp"), std=cfg.init_method_std, param_dtype=param_dtype, fp8=fp8,
+                  rngs=rngs)
         if self.gated:
             self.gate_proj = ExpertKernel((e, d, f), **up)
         self.up_proj = ExpertKernel((e, d, f), **up)
         self.down_proj = ExpertKernel((e, f, d), ("experts", "mlp", "embed"), std=output_std(cfg),
-                                      param_dtype=param_dtype, rngs=rngs)
+                                      param_dtype=param_dtype, fp8=fp8, rngs=rngs)
 
     def kernels(self, dtype):
-        """(gate [E, D, F] or None without SwiGLU, up [E, D, F], down [E, F, D]) in `dtype`. Gate and up stay two
-        grouped GEMMs: fusing them as the dense MLP does would copy all experts' weights into one [E, D, 2F] array
-        (and split its gradient) every micro-batch, which on moe-small cost more than the GEMM itself (docs/moe.md)."""
-        gate = self.gate_proj.kernel[...].astype(dtype) if self.gated else None
-        return gate, self.up_proj.kernel[...].astype(dtype), self.down_proj.kernel[...].astype(dtype)
+        """(gate [E, D, F] or None without SwiGLU, up [E, D, F], down [E, F, D]) in `dtype` (the master weights
+        under an FP8 policy, which quantizes them itself). Gate and up stay two grouped GEMMs: fusing them as the
+        dense MLP does would copy all experts' weights into one [E, D, 2F] array (and split its gradient) every
+        micro-batch, which on moe-small cost more than the GEMM itself (docs/moe.md)."""
+        cast = (lambda a: a) if self.quant is not None else (lambda a: a.astype(dtype))  # noqa: E731
+        gate = cast(self.gate_proj.kernel[...]) if self.gated else None
+        return gate, cast(self.up_proj.kernel[...]), cast(self.down_proj.kernel[...])
+
+    def metas(self):
+        """The FP8 scales (gate or None, up, down) [E, 3] under an FP8 policy, else None."""
+        if self.quant is None:
+            return None
+        return (self.gate_proj.fp8_meta[...] if self.gated else None, self.up_proj.fp8_meta[...],
+                self.down_proj.fp8_meta[...])
 
 
-def expert_rows(xs, weights, group_sizes, kernels, *, impl: str):
+def _products(x, ws, metas, group_sizes, *, impl: str, quant):
+    """x [R, D_in] times each of the expert weights ws [E, D_in, F_i] -> one [R, F_i] per weight: grouped GEMMs in
+    the compute dtype, or in per-tensor FP8 with one quantization of x for all of them."""
+    if quant is None:
+        return tuple(grouped_matmul(x, w, group_sizes, impl=impl) for w in ws)
+    return fp8_grouped_matmul(x, tuple(ws), group_sizes, tuple(metas), per_tensor_spec(quant), impl=impl)
+
+
+def expert_rows(xs, weights, group_sizes, kernels, *, impl: str, quant=None, metas=None):
     """The experts on dispatched rows xs [R, D] with routing weights [R] -> [R, D]: grouped GEMMs, SwiGLU (or GELU)
-    times the weight, grouped GEMM."""
+    times the weight, grouped GEMM. `quant` (a per-tensor FP8 QuantPolicy) with `metas` (Experts.metas()) puts
+    the GEMMs in FP8."""
     gate, up, down = kernels
-    u = checkpoint_name(grouped_matmul(xs, up, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, F]
+    gate_meta, up_meta, down_meta = metas if metas is not None else (None, None, None)
+    run = functools.partial(_products, group_sizes=group_sizes, impl=impl, quant=quant)
     if gate is not None:
-        g = checkpoint_name(grouped_matmul(xs, gate, group_sizes, impl=impl), "moe_up")  # [R, D] -> [R, F]
+        g, u = (checkpoint_name(t, "moe_up") for t in run(xs, (gate, up), (gate_meta, up_meta)))  # [R, D] -> [R, F]
         h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     else:
-        h = jax.nn.gelu(u, approximate=True)
+        (u,) = run(xs, (up,), (up_meta,))
+        h = jax.nn.gelu(checkpoint_name(u, "moe_up"), approximate=True)  # [R, D] -> [R, F]
     compute = jnp.promote_types(weights.dtype, jnp.float32)
     h = checkpoint_name((h.astype(compute) * weights[:, None].astype(compute)).astype(xs.dtype), "moe_hidden")
-    return checkpoint_name(grouped_matmul(h, down, group_sizes, impl=impl), "moe_down")  # [R, F] -> [R, D]
+    (y,) = run(h, (down,), (down_meta,))
+    return checkpoint_name(y, "moe_down")  # [R, F] -> [R, D]
 
 
-def dispatch_group(x, weights, experts, priority, kernels, *, num_experts, capacity, policy, pad_to_capacity, impl):
+def dispatch_group(x, weights, experts, priority, kernels, metas=None, *, num_experts, capacity, policy,
+                   pad_to_capacity, impl, quant=None):
     """One dispatch group: x [n, D], weights / experts [n, k], priority [n] -> (y [n, D] float32, plan)."""
     plan = plan_dispatch(experts, weights, num_experts=num_experts, capacity=capacity, policy=policy,
                          pad_to_capacity=pad_to_capacity, priority=priority)
     xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")  # [R, D]
-    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, impl=impl)
+    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, impl=impl, quant=quant,
+                       metas=metas)
     return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # [R, D] -> [n, D]
 
 
 def _check(cfg, quant):
-    if quant is not None:
-        raise ValueError("MoE expert GEMMs have no FP8/FP4 path yet: train MoE models without --fp8_recipe / "
-                         "--fp4_recipe, or build the MoE layers with quant=None (kept in the compute dtype)")
+    fp8, fp4 = getattr(quant, "fp8_recipe", None), getattr(quant, "fp4_recipe", None)
+    if quant is not None and (fp8 not in PER_TENSOR_FP8_RECIPES or fp4 is not None):
+        raise ValueError(f"MoE expert GEMMs take per-tensor FP8 (--fp8_recipe=delayed|tensorwise), not "
+                         f"--fp8_recipe={fp8} --fp4_recipe={fp4}; change the recipe or build the MoE layers with "
+                         "quant=None (kept in the compute dtype)")
     e, k = cfg.num_experts, cfg.moe_router_topk
     if not e or not 1 <= k <= e:
         raise ValueError(f"--moe_router_topk={k} must be between 1 and --num_experts={e}")
@@ -166,10 +202,10 @@ class MoE(nnx.Module):
         _check(cfg, quant)
         self.cfg, self.dtype = cfg, dtype
         self.router = Router(cfg, param_dtype=param_dtype, rngs=rngs)
-        self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(cfg, param_dtype=param_dtype, quant=quant, rngs=rngs)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=shared), dtype=dtype,
-                                   param_dtype=param_dtype, rngs=rngs) if shared else None)
+                                   param_dtype=param_dtype, quant=quant, rngs=rngs) if shared else None)
         self.shared_expert_gate = (Linear((cfg.hidden_size,), (1,), in_axes=("embed",), out_axes=(None,),
                                           std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                    if cfg.moe_shared_expert_gate else None)
@@ -235,9 +271,11 @@ class MoE(nnx.Module):
         if cfg.moe_expert_capacity_factor is not None:
             capacity = moe_router.expert_capacity(n, e, k, cfg.moe_expert_capacity_factor)
         run = functools.partial(dispatch_group, num_experts=e, capacity=capacity, policy=cfg.moe_token_drop_policy,
-                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=cfg.moe_grouped_gemm_impl)
-        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None))(
-            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, self.experts.kernels(self.dtype))
+                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=cfg.moe_grouped_gemm_impl,
+                                quant=self.experts.quant)
+        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None, None))(
+            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, self.experts.kernels(self.dtype),
+            self.experts.metas())
         tokens, kept = plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0)  # [G, E] -> [E]
         stats = {"tokens_per_expert": tokens, "kept_tokens_per_expert": kept,
                  "dropped_assignments": (tokens - kept).sum()}

@@ -48,7 +48,8 @@ from mjax.kernels.options import FP8_CAST
 
 @dataclasses.dataclass(frozen=True)
 class GroupedFp8Plan:
-    """The static part of one call: the recipe, the GEMMs (xla | pallas) and each weight's tiling (pallas)."""
+    """The static part of one call: the recipe (spec.impl: how the transposed copies are made), the GEMMs (xla |
+    pallas), each weight's tiling (pallas) and whether the GEMM kernels run interpreted."""
     spec: Fp8Spec
     gemm: str = "xla"
     tilings: tuple[Tiling | None, ...] = (None,)
@@ -74,7 +75,7 @@ def _valid_rows(rows: int, group_sizes):  # [M, 1]: the rows some group owns
 def _layouts(v, scale, dtype, plan: GroupedFp8Plan, transposed: bool, with_amax: bool):
     """v [R, C] -> (q [R, C], q^T [C, R] or None[, max |v|]), q = saturate(v * scale)."""
     if transposed and plan.spec.impl == "pallas":
-        out = cast_transpose_local(v, jnp.reshape(scale, (1,)), dtype=dtype, interpret=plan.interpret,
+        out = cast_transpose_local(v, jnp.reshape(scale, (1,)), dtype=dtype, interpret=plan.spec.interpret,
                                    with_amax=with_amax)
         return (*out[:2], out[2][0]) if with_amax else out
     q = fp8.quantize(v, scale, dtype)
@@ -111,7 +112,7 @@ def quantize_experts(w, plan: GroupedFp8Plan, meta, dtype, transposed: bool):
     if transposed and spec.impl == "pallas":
         delayed = spec.recipe == "delayed"
         out = jax.vmap(lambda w, s: cast_transpose_local(w, jnp.reshape(s, (1,)), dtype=dtype,
-                                                         interpret=plan.interpret, with_amax=delayed))(w, scale)
+                                                         interpret=spec.interpret, with_amax=delayed))(w, scale)
         wq, wq_t = out[:2]
         if delayed:  # the amax from the quantizing pass, as fp8.quantize_operand takes it
             a = checkpoint_name(across_batch_max(out[2][:, 0]), FP8_CAST)
