@@ -10,6 +10,15 @@ last group empty) distributions of the rows. One table (TFLOP/s and fraction of 
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
 plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
 Shapes are GROUPSxROWSxNxK: rows per group on average, x [G * rows, K], w [G, K, N].
+
+--fp8 adds per-tensor FP8 (--fp8_recipe, --fp8_format): the FP8 grouped matmul as training calls it (amaxes,
+casts into both layouts and the three kernels; "pallas fp8"), its kernels alone on operands quantized beforehand
+("fp8 kernels"; --fp8_mma=f16 converts e4m3 x e4m3 tiles to float16 too, to weigh the FP8 MMA against the 16-bit
+one), and the dense FP8 ceiling (e4m3 operands straight into dot_general: cuBLASLt; forward + backward through
+mjax.kernels.fp8.fp8_matmul); --tilings then sweeps the FP8 kernels and --check compares "pallas fp8" with the
+float32 dequantize + ragged_dot reference of the same quantization:
+
+    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --fp8 --noragged_dot --check --json_out=gmm_fp8.json
 """
 
 import json
@@ -28,7 +37,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mjax.kernels.grouped_matmul import KernelTile, grouped_matmul, resolve_tiling  # noqa: E402
+import fp8_grouped_cases as fp8_cases  # noqa: E402  (beside this script)
+from mjax.kernels import fp8  # noqa: E402
+from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
+                                         resolve_tiling)
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
 from mjax.kernels.grouped_matmul.tiling import kernel_tile_problem  # noqa: E402
 from mjax.train.benchmark import time_fn  # noqa: E402
@@ -46,6 +58,12 @@ flags.DEFINE_bool("check", False, "Compare pallas with ragged_dot and per-group 
 flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
 flags.DEFINE_string("json_out", "", "Write every row as JSON here (rewritten after each shape).")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU.")
+flags.DEFINE_bool("fp8", False, "Add the per-tensor FP8 grouped matmul, its kernels alone and the dense FP8 GEMM; "
+                  "--tilings and --check then take the FP8 kernels.")
+flags.DEFINE_enum("fp8_recipe", "tensorwise", ["tensorwise", "delayed"], "With --fp8: the scaling recipe.")
+flags.DEFINE_enum("fp8_format", "hybrid", ["hybrid", "e4m3"], "With --fp8: hybrid (e5m2 gradients) or e4m3.")
+flags.DEFINE_enum("fp8_mma", "auto", ["auto", "f16"], "With --fp8, the kernels-alone rows and the sweep: auto "
+                  "(FP8 tiles into the dot where the formats match) or f16 (tiles converted to float16 always).")
 FLAGS = flags.FLAGS
 
 # Max |pallas - reference| / max |reference| allowed by --check: both accumulate in f32 and round once to the
@@ -88,6 +106,11 @@ def operands(groups, rows, n, k, dtype, seed=0):
     return x, w, dy
 
 
+def fp8_spec():
+    on_gpu = jax.default_backend() == "gpu"
+    return fp8.Fp8Spec(FLAGS.fp8_recipe, FLAGS.fp8_format, impl="pallas" if on_gpu else "xla", interpret=not on_gpu)
+
+
 def fwd_and_bwd(fn):
     """jit'ed forward, and forward + backward returning (y, dx, dw), of fn(x, w, group_sizes)."""
     def both(x, w, gs, dy):
@@ -121,10 +144,14 @@ def main_rows(shape, dists, dense):
     g, r, n, k = shape
     dtype = jnp.dtype(FLAGS.dtype)
     x, w, dy = operands(g, r, n, k, dtype)
-    impls = [("pallas", "pallas")] + ([("ragged_dot", "xla")] if FLAGS.ragged_dot else [])
+    impls = [("pallas", lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))]
+    if FLAGS.ragged_dot:
+        impls.append(("ragged_dot", lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla")))
+    if FLAGS.fp8:
+        impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, fp8_spec()), fp8_spec())))
     rows = []
-    for name, impl in impls:  # one compile per implementation: the group sizes are run-time values
-        fwd, both = fwd_and_bwd(lambda x, w, gs, impl=impl: grouped_matmul(x, w, gs, impl=impl))
+    for name, fn in impls:  # one compile per implementation: the group sizes are run-time values
+        fwd, both = fwd_and_bwd(fn)
         for dist in dists:
             sizes = group_sizes(dist, g, r)
             gs = jnp.asarray(sizes)
@@ -139,7 +166,55 @@ def main_rows(shape, dists, dense):
                     row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
             rows.append(row)
             print_row(row)
+    return rows + (fp8_kernel_rows(shape, dists, dense) if FLAGS.fp8 else [])
+
+
+def fp8_kernel_rows(shape, dists, dense):
+    """The FP8 kernels alone on operands quantized beforehand: the forward, and forward + dgrad + wgrad."""
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    q = fp8_cases.operands(x, w, dy, fp8_spec())
+    tiling = resolve_tiling(None, dtype, k, n, fp8_spec().dtypes[1])
+    fwd = jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)["forward"]())
+    both = jax.jit(lambda q, gs: tuple(call() for call in fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma).values()))
+    rows = []
+    for dist in dists:
+        sizes = group_sizes(dist, g, r)
+        gs = jnp.asarray(sizes)
+        flop = 2 * int(sizes.sum()) * k * n
+        (t_fwd, err_fwd), (t_both, err_both) = time_or_error(fwd, q, gs), time_or_error(both, q, gs)
+        row = {"shape": list(shape), "dist": dist, "impl": f"fp8 kernels mma={FLAGS.fp8_mma}",
+               "error": err_fwd or err_both}
+        for mode, t, mult in (("fwd", t_fwd, 1), ("fwd_bwd", t_both, 3)):
+            if t is not None:
+                row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t)})
+                row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
+        rows.append(row)
+        print_row(row)
     return rows
+
+
+def dense_fp8_row(shape, dense):
+    """The dense FP8 GEMM of equal FLOPs: e4m3 operands straight into dot_general (cuBLASLt), forward; forward +
+    backward through the dense FP8 linear layer (fp8_matmul: its casts and three GEMMs)."""
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    e4m3 = fp8_spec().dtypes[0]
+    xq, wq_t = fp8.quantize(x, 1.0, e4m3), fp8.quantize(w[0].T, 1.0, e4m3)  # [M, K], [N, K]
+    fwd = jax.jit(lambda a, b: fp8.scaled_dot(a, b, (1, 1), jnp.float32(1.0), dtype))
+    _, both = fwd_and_bwd(lambda x, w0, gs: fp8.fp8_matmul(x, w0, jnp.ones(3), fp8_spec()))
+    flop = 2 * g * r * k * n
+    t_fwd, t_both = time_fn(fwd, xq, wq_t, min_s=FLAGS.min_time_s), time_fn(both, x, w[0], None, dy,
+                                                                            min_s=FLAGS.min_time_s)
+    row = {"shape": list(shape), "dist": "-", "impl": "dense fp8 (ceiling)", "error": None,
+           "fwd_ms": t_fwd * 1e3, "fwd_tflops": tflops(flop, t_fwd), "fwd_bwd_ms": t_both * 1e3,
+           "fwd_bwd_tflops": tflops(3 * flop, t_both)}
+    for mode in ("fwd", "fwd_bwd"):
+        row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
+    print_row(row)
+    return row
 
 
 def dense_row(shape):
@@ -186,11 +261,17 @@ def sweep_rows(shape, dists, tiles, dense):
                                  (dy, w)),
              "wgrad": lambda t: (jax.jit(lambda x, dy, gs: kernels.wgrad(x, dy, gs, tile=t, interpret=interpret)),
                                  (x, dy))}
+    if FLAGS.fp8:  # the FP8 kernels on operands quantized once
+        q = fp8_cases.operands(x, w, dy, fp8_spec())
+        calls = {kernel: (lambda t, kernel=kernel: (
+                     jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, Tiling.uniform(t), dtype, FLAGS.fp8_mma)[kernel]()), (q,)))
+                 for kernel in ("forward", "dgrad", "wgrad")}
     rows, best = [], {}
     for kernel, make in calls.items():
         scores = {}
         for tile in tiles:
-            problem = kernel_tile_problem(kernel, tile, dtype, k, n)
+            problem = (fp8_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8 else
+                       kernel_tile_problem(kernel, tile, dtype, k, n))
             if problem:
                 print(f"  {kernel:8} {str(tile):18} skipped: {problem}", flush=True)
                 continue
@@ -221,18 +302,26 @@ def check_rows(shape, dists):
     g, r, n, k = shape
     dtype = jnp.dtype(FLAGS.dtype)
     x, w, dy = operands(g, r, n, k, dtype, seed=1)
-    _, pallas_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))
-    _, ragged_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla"))
+    if FLAGS.fp8:  # against the float32 dequantize + ragged_dot of the same quantized values
+        meta = fp8_cases.meta(w, x, dy, fp8_spec())
+        _, pallas_both = fwd_and_bwd(fp8_cases.training_call(meta, fp8_spec()))
+        _, ragged_both = fwd_and_bwd(lambda x, w, gs: fp8_grouped_matmul(x, w, gs, meta, fp8_spec(), impl="xla"))
+    else:
+        _, pallas_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))
+        _, ragged_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla"))
     tol = CHECK_TOLERANCE[FLAGS.dtype]
     rows = []
     for dist in dict.fromkeys([*dists, "padded"]):
         sizes = group_sizes(dist, g, r)
         gs = jnp.asarray(sizes)
         got = [np.asarray(a, np.float32) for a in pallas_both(x, w, gs, dy)]
-        _, per_group_both = fwd_and_bwd(lambda x, w, gs, sizes=sizes: per_group_dot(x, w, sizes))
-        refs = {"per-group jnp.dot": per_group_both}
-        if FLAGS.ragged_dot:
-            refs["ragged_dot"] = ragged_both
+        refs = {}
+        if FLAGS.fp8:
+            refs["fp8 reference (xla)"] = ragged_both
+        else:
+            refs["per-group jnp.dot"] = fwd_and_bwd(lambda x, w, gs, sizes=sizes: per_group_dot(x, w, sizes))[1]
+            if FLAGS.ragged_dot:
+                refs["ragged_dot"] = ragged_both
         for ref_name, ref in refs.items():
             row = {"shape": list(shape), "dist": dist, "reference": ref_name}
             try:
@@ -268,22 +357,25 @@ def main(_):
         group_sizes(dist, 8, 16)  # unknown names fail before anything is compiled
     tiles = [KernelTile.parse(t) for t in FLAGS.tilings.split(",") if t]
     if FLAGS.smoke:
-        tiles = tiles or [KernelTile(16, 16, 16), KernelTile(32, 32, 16)]
+        tiles = tiles or ([KernelTile(16, 32, 32)] if FLAGS.fp8 else [KernelTile(16, 16, 16), KernelTile(32, 32, 16)])
     dtype = jnp.dtype(FLAGS.dtype)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": FLAGS.dtype,
               "main": [], "sweep": [], "best_tiles": {}, "check": [], "default_tiling": {}, "group_sizes": {}}
     print(f"{report['device']}, jax {jax.__version__}, {FLAGS.dtype}; TFLOP/s count 2*sum(group_sizes)*K*N per "
-          "GEMM (forward + backward: 3 GEMMs); 'of dense' divides by the dense GEMM's rate in this run", flush=True)
+          "GEMM (forward + backward: 3 GEMMs); 'of dense' divides by the dense GEMM's rate in this run"
+          + (f"; FP8: {FLAGS.fp8_recipe} {FLAGS.fp8_format}" if FLAGS.fp8 else ""), flush=True)
     failed = False
     for shape in shapes:
         g, r, n, k = shape
-        tiling = resolve_tiling(None, dtype, k, n)
+        tiling = resolve_tiling(None, dtype, k, n, fp8_spec().dtypes[1] if FLAGS.fp8 else None)
         report["default_tiling"]["x".join(map(str, shape))] = str(tiling)
         report["group_sizes"]["x".join(map(str, shape))] = {d: group_sizes(d, g, r).tolist()
                                                              for d in dict.fromkeys([*FLAGS.dists, "padded"])}
         print(f"\n{'x'.join(map(str, shape))}: default {tiling}\n{HEADER}", flush=True)
         dense = dense_row(shape)
         report["main"].append(dense)
+        if FLAGS.fp8:
+            report["main"].append(dense_fp8_row(shape, dense))
         if FLAGS.main:
             report["main"] += main_rows(shape, FLAGS.dists, dense)
         if tiles:

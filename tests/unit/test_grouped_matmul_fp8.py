@@ -347,3 +347,33 @@ def test_bad_arguments_raise():
         fp8_grouped_matmul(x, ws, gs, (ones,), Fp8Spec())
     with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl"):
         fp8_grouped_matmul(x, ws[0], gs, ones, Fp8Spec(), impl="triton")
+
+
+# ---- the benchmark (benchmarks/bench_grouped_matmul.py --fp8) ----
+
+
+@pytest.mark.slow
+def test_benchmark_fp8_smoke_run_tables_sweeps_and_checks(tmp_path):
+    """The script's FP8 cases end to end off GPU (tiny shapes, kernels interpreted; a subprocess, as its absl flags
+    are global): the FP8 rows beside the 16-bit ones, the sweep of the FP8 kernels and --check against the
+    reference of the same quantization."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    out = tmp_path / "gmm_fp8.json"
+    proc = subprocess.run([sys.executable, "benchmarks/bench_grouped_matmul.py", "--smoke", "--fp8", "--check",
+                           "--fp8_recipe=delayed", "--min_time_s=0.001", "--dists=balanced,empty",
+                           "--noragged_dot", "--tilings=16x32x32w4s3,16x16x16w4s3", f"--json_out={out}"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "check: all PASS" in proc.stdout
+    report = json.loads(out.read_text())
+    assert {r["impl"] for r in report["main"]} == {"dense jnp.dot (ceiling)", "dense fp8 (ceiling)", "pallas",
+                                                   "pallas fp8 delayed", "fp8 kernels mma=auto"}
+    assert all(r["ok"] for r in report["check"]) and {r["reference"] for r in report["check"]} == {
+        "fp8 reference (xla)"}
+    assert report["best_tiles"]["4x40x64x32"] == {k: "16x32x32w4s3" for k in ("forward", "dgrad", "wgrad")}
+    assert "FP8 dots need block_k >= 32" in proc.stdout  # the 16-deep tile is refused, not run
