@@ -21,6 +21,7 @@ float32 dequantize + ragged_dot reference of the same quantization:
     PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --fp8 --noragged_dot --check --json_out=gmm_fp8.json
 """
 
+import functools
 import json
 import os
 import sys
@@ -148,7 +149,8 @@ def main_rows(shape, dists, dense):
     if FLAGS.ragged_dot:
         impls.append(("ragged_dot", lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla")))
     if FLAGS.fp8:
-        impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, fp8_spec()), fp8_spec())))
+        spec = fp8_spec()
+        impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, spec), spec)))
     rows = []
     for name, fn in impls:  # one compile per implementation: the group sizes are run-time values
         fwd, both = fwd_and_bwd(fn)
@@ -176,8 +178,9 @@ def fp8_kernel_rows(shape, dists, dense):
     x, w, dy = operands(g, r, n, k, dtype)
     q = fp8_cases.operands(x, w, dy, fp8_spec())
     tiling = resolve_tiling(None, dtype, k, n, fp8_spec().dtypes[1])
-    fwd = jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)["forward"]())
-    both = jax.jit(lambda q, gs: tuple(call() for call in fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma).values()))
+    calls = lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)  # noqa: E731
+    fwd = jax.jit(lambda q, gs: calls(q, gs)["forward"]())
+    both = jax.jit(lambda q, gs: tuple(call() for call in calls(q, gs).values()))
     rows = []
     for dist in dists:
         sizes = group_sizes(dist, g, r)
@@ -263,9 +266,11 @@ def sweep_rows(shape, dists, tiles, dense):
                                  (x, dy))}
     if FLAGS.fp8:  # the FP8 kernels on operands quantized once
         q = fp8_cases.operands(x, w, dy, fp8_spec())
-        calls = {kernel: (lambda t, kernel=kernel: (
-                     jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, Tiling.uniform(t), dtype, FLAGS.fp8_mma)[kernel]()), (q,)))
-                 for kernel in ("forward", "dgrad", "wgrad")}
+        def fp8_call(kernel, tile):
+            tiling = Tiling.uniform(tile)
+            return jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)[kernel]()), (q,)
+
+        calls = {kernel: functools.partial(fp8_call, kernel) for kernel in ("forward", "dgrad", "wgrad")}
     rows, best = [], {}
     for kernel, make in calls.items():
         scores = {}
