@@ -67,7 +67,7 @@ def main(argv) -> int:
         if isinstance(e, InputError):
             return fail("generate", e, BAD_INPUT)
         return fail("generate: unusable checkpoint", e, CHECKPOINT)
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: mjax.generate's prompt checks
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: the generator's prompt checks
         return fail("generate", e, BAD_INPUT)
 
 
@@ -108,7 +108,7 @@ def _generate(load: Path) -> int:
     import numpy as np  # noqa: PLC0415
 
     from mjax.convert import load_pretrained, source  # noqa: PLC0415
-    from mjax.generate import generate  # noqa: PLC0415
+    from mjax.inference.generate import generate  # noqa: PLC0415
 
     found = source.resolve(load, FLAGS.ckpt_step, flag="--load")
     tokenizer, stop = None, eos_ids(found.directory)

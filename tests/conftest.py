@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _single_device_traces():
+    """Tests trace models directly, on one device, on purpose (library code raises for a trace without rules:
+    mjax.sharding.constrain); tests of sharded layouts set their own rules inside, which take precedence."""
+    from mjax.sharding import single_device  # noqa: PLC0415
+
+    with single_device():
+        yield

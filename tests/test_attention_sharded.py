@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mjax.kernels.attention import dot_product_attention, reference_attention
-from mjax.model import logical_sharding
+from mjax.sharding import logical_sharding
 from mjax.parallel.mesh import make_mesh
 from mjax.parallel.rules import logical_rules
 from tests.train_utils import tiny_config

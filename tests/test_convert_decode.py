@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mjax.convert import load_pretrained
-from mjax.generate import generate
-from mjax.model.decode import forward_with_cache, init_cache
+from mjax.inference.generate import generate
+from mjax.inference.decode import forward_with_cache, init_cache
 from tests.convert_utils import FIXTURES, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_generate_script_runs_with_the_checkpoint_tokenizer():
 
 
 def test_sampling_draws_from_the_top_k():
-    from mjax.generate import sample
+    from mjax.inference.generate import sample
 
     logits = jnp.asarray([[0.0, 5.0, 4.0, -1.0, 3.0]] * 64)  # [B, V]
     draws = np.asarray(sample(logits, jax.random.key(0), 1.0, 2))

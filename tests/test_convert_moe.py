@@ -15,9 +15,9 @@ import mjax
 from mjax.convert import hf_to_mjax, mjax_to_hf
 from mjax.convert.hf import FAMILIES, model_config_from_hf, params_from_hf
 from mjax.convert.spec import Dims
-from mjax.generate import generate
+from mjax.inference.generate import generate
 from mjax.model import build_model
-from mjax.model.decode import forward_with_cache, init_cache
+from mjax.inference.decode import forward_with_cache, init_cache
 from tests.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, next_token_loss, read_safetensors, reference
 from tests.numpy_reference import forward_hf
 

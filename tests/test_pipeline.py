@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from mjax.parallel.layout import validate_layout
 from mjax.checkpoint import Checkpointer
 from mjax.config import ConfigError
-from mjax.model import logical_sharding
+from mjax.sharding import logical_sharding
 from mjax.parallel import pipeline
 from mjax.parallel.rules import batch_sharding, logical_rules
 from mjax.train.loop import build
@@ -61,6 +61,8 @@ def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
 
 
 def _assert_same(losses, params, ref_losses, ref_params):
+    # fp32 SGD: GEMM outputs and input gradients moved by up to 4 ulps move 3 steps' losses by <= 2e-7 and the
+    # params by <= 1.2e-7 (tests/test_parallel.py); the layouts here the losses by <= 2e-7.
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0],
                             jax.tree.leaves(jax.device_get(ref_params))):
@@ -107,9 +109,11 @@ def test_bf16_compute_stays_close_to_the_fp32_single_device_run(single_device):
     """bf16 activations cross the stages (and XLA:CPU once aborted on a bf16 psum of the gpipe/interleaved path)."""
     cfg = _config(LAYOUTS["pp2_vpp2_dp2_tp2_interleaved"][0], 2, precision=dict(compute_dtype="bfloat16"))
     losses, state, _ = _train(cfg)
-    np.testing.assert_allclose(losses, single_device[0], rtol=1e-4)
+    # bf16 against fp32 (one device, bf16 with every GEMM's output and input gradients moved by one ulp at random,
+    # this layout): the losses 1.4-5.1e-5 apart, the params up to 7.8e-4. Tolerances: 10x, 5x.
+    np.testing.assert_allclose(losses, single_device[0], rtol=5e-4)
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(single_device[1]))):
-        np.testing.assert_allclose(a, b, atol=2e-3)
+        np.testing.assert_allclose(a, b, atol=4e-3)
 
 
 def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_device, pp2_checkpoint):
@@ -141,8 +145,9 @@ def test_pp2_checkpoint_restores_at_pp1_with_the_same_eval_loss(pp2_checkpoint):
         assert a.shape == b.shape and "pipeline" not in jax.tree.leaves(a.sharding.spec)
         np.testing.assert_array_equal(a, b)
     pp2 = _config(dict(pp=2, pipeline_schedule="gpipe"), micro=2)
+    # Two programs summing fp32 token losses in another order: 2.1e-7 apart here.
     np.testing.assert_allclose(_eval_sums(pp2, build(pp2), saved.params), _eval_sums(cfg, setup, state.params),
-                               rtol=1e-6)
+                               rtol=2e-6)
 
 
 def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=256):

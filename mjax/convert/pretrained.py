@@ -10,6 +10,7 @@ import numpy as np
 from mjax.config import Config, PrecisionConfig
 from mjax.convert import orbax_io, source
 from mjax.convert.spec import ConversionError, unflatten
+from mjax.sharding import single_device
 
 
 @dataclasses.dataclass
@@ -29,7 +30,8 @@ class Pretrained:
         return self.config.model.vocab_size
 
     def __call__(self, tokens, positions=None, segment_ids=None):
-        return self._apply(self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
+        with single_device():
+            return self._apply(self.params, jnp.asarray(tokens, jnp.int32), positions, segment_ids)
 
 
 def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None,

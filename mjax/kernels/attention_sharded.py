@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mjax.kernels.attention import AttentionUnsupported
-from mjax.model.sharding import current_logical_sharding, logical_to_spec
+from mjax.sharding import current_logical_sharding, logical_to_spec
 
 
 def _axes(entry) -> tuple:
@@ -35,7 +35,7 @@ def _drop_trivial(spec, mesh) -> tuple:
 def shard_attention(kernel, q, k, v, *, segment_ids, return_lse, **kwargs):
     """kernel(q, k, v, segment_ids=..., return_lse=..., **kwargs) on each shard; identity wrapper without a mesh."""
     ctx = current_logical_sharding()
-    if ctx is None or ctx[0].size == 1:
+    if ctx is None or ctx[0] is None or ctx[0].size == 1:
         return kernel(q, k, v, segment_ids=segment_ids, return_lse=return_lse, **kwargs)
     mesh, rules = ctx
     q_spec = _drop_trivial(logical_to_spec(("batch", "seq", "heads", None), rules, q.shape, mesh), mesh)

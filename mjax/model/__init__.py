@@ -4,11 +4,11 @@ from mjax.model.attention import Attention
 from mjax.model.functional import ModelDef, build_model
 from mjax.model.layers import Embed, LayerNorm, Linear, RMSNorm
 from mjax.model.mlp import MLP
+from mjax.model.moe import MoE
 from mjax.model.rope import apply_rope, rope_frequencies
-from mjax.model.sharding import constrain, logical_sharding
 from mjax.model.transformer import Block, CausalLM
 
 __all__ = [
-    "MLP", "Attention", "Block", "CausalLM", "Embed", "LayerNorm", "Linear", "ModelDef", "RMSNorm", "apply_rope",
-    "build_model", "constrain", "logical_sharding", "rope_frequencies",
+    "MLP", "Attention", "Block", "CausalLM", "Embed", "LayerNorm", "Linear", "ModelDef", "MoE", "RMSNorm",
+    "apply_rope", "build_model", "rope_frequencies",
 ]

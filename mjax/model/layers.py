@@ -12,7 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.quant import initial_meta, quantized_matmul
-from mjax.model.sharding import param
+from mjax.sharding import param
 
 
 def _normal(rngs, shape, std, dtype):

@@ -7,7 +7,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.model.layers import Linear, fused_product, output_std
-from mjax.model.sharding import constrain
+from mjax.sharding import constrain
 
 
 class MLP(nnx.Module):

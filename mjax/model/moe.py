@@ -67,7 +67,7 @@ from mjax.model import router as moe_router
 from mjax.model.layers import Fp8Meta, Linear, output_std
 from mjax.model.mlp import MLP
 from mjax.model.moe_dispatch import permute, plan_dispatch, row_weights, unpermute
-from mjax.model.sharding import constrain, param, shards
+from mjax.sharding import constrain, param, shards
 
 
 def _normal(rngs, shape, std, dtype):

@@ -16,7 +16,7 @@ from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
 from mjax.model.moe import MoE
-from mjax.model.sharding import constrain, param
+from mjax.sharding import constrain, param
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")
 STACKS = ("layers", "moe_layers")  # the stacked-layer params: dense blocks, MoE blocks

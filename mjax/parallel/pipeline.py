@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mjax.config.validate import pipeline_schedule
-from mjax.model.sharding import current_logical_sharding
+from mjax.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b
 from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
                                           per_stage_zeros, run_layers, shift, split_params, stored_order_sums)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mjax.model import moe_terms
-from mjax.model.sharding import current_logical_sharding, logical_sharding
+from mjax.sharding import current_logical_sharding, logical_sharding
 from mjax.model.transformer import STACKS, default_positions
 
 AXIS = "pipeline"

@@ -3,7 +3,7 @@
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mjax.model.sharding import logical_to_spec
+from mjax.sharding import logical_to_spec
 
 BATCH_AXES = ("data", "fsdp", "expert")
 

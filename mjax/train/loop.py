@@ -9,7 +9,8 @@ import jax
 import numpy as np
 
 from mjax.checkpoint import Checkpointer, position_data
-from mjax.model import build_model, logical_sharding
+from mjax.model import build_model
+from mjax.sharding import logical_sharding
 from mjax.parallel.layout import Batching, describe_batching, validate_layout
 from mjax.parallel.mesh import make_mesh
 from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings

@@ -16,7 +16,7 @@ from mjax.model import moe as moe_module
 from mjax.model import router
 from mjax.model.moe import MoE
 from mjax.model.moe_dispatch import plan_dispatch
-from mjax.model.sharding import logical_sharding
+from mjax.sharding import logical_sharding
 from tests.unit.test_router import enable_x64, np_capacity_keep, np_route, np_sigmoid
 
 # float32 layer vs float64 oracle, O(1) activations and D, F <= 32: measured differences stay below 2e-6.

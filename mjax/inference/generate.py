@@ -5,7 +5,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.model.decode import forward_with_cache, init_cache
+from mjax.inference.decode import forward_with_cache, init_cache
+from mjax.sharding import single_device
 
 
 def sample(logits, key, temperature: float, top_k: int):
@@ -54,5 +55,6 @@ def generate(model_def, params, prompt, max_new_tokens: int, *, temperature: flo
                          "positions of this model")
     if max_new_tokens < 1:
         raise ValueError("--max_new_tokens must be at least 1")
-    return _generate(model_def, params, prompt, jax.random.key(seed), max_new_tokens=max_new_tokens,
-                     temperature=float(temperature), top_k=int(top_k), vocab_size=vocab_size or cfg.vocab_size)
+    with single_device():
+        return _generate(model_def, params, prompt, jax.random.key(seed), max_new_tokens=max_new_tokens,
+                         temperature=float(temperature), top_k=int(top_k), vocab_size=vocab_size or cfg.vocab_size)

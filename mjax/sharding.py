@@ -1,7 +1,9 @@
 """Logical axis names on parameters and activations. The model names axes; `mjax.parallel` maps them to a mesh.
 
-Parameters carry `logical_axes` metadata. Activations go through `constrain`, a no-op until a mesh and rules are
-set with `logical_sharding(mesh, rules)` (done by mjax.parallel, never by model code).
+Parameters carry `logical_axes` metadata. Activations go through `constrain`, which applies the rules set with
+`logical_sharding(mesh, rules)` (done by mjax.parallel and the training loop, never by model code). A trace (jit,
+grad) through `constrain` with no rules set raises instead of silently dropping every activation sharding: code that
+runs the model on one device on purpose says so with `single_device()`. Eager calls need neither.
 """
 
 import contextlib
@@ -52,33 +54,43 @@ def logical_sharding(mesh, rules: dict):
         _CONTEXT.reset(token)
 
 
+def single_device():
+    """The context of a trace that runs the model unsharded on purpose (one device, no mesh)."""
+    return logical_sharding(None, {})
+
+
 def current_logical_sharding():
-    """The (mesh, rules) set by `logical_sharding`, or None."""
+    """The (mesh, rules) set by `logical_sharding`, or None; (None, {}) under `single_device()`."""
     return _CONTEXT.get()
 
 
-def shards(name: str) -> int:
-    """How many shards the mesh axes of logical name `name` split a dim into (1 when no mesh is set)."""
+def _mesh_and_rules():
     ctx = _CONTEXT.get()
-    if ctx is None:
-        return 1
-    mesh, rules = ctx
-    return math.prod(mesh.shape[a] for a in rules.get(name) or ())
+    return (None, {}) if ctx is None else ctx
+
+
+def shards(name: str) -> int:
+    """How many shards the mesh axes of logical name `name` split a dim into (1 without a mesh)."""
+    mesh, rules = _mesh_and_rules()
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in rules.get(name) or ())
 
 
 def splits_evenly(name: str, size: int) -> bool:
-    """Whether a dim of `size` with logical name `name` divides over its mesh axes (True when no mesh is set)."""
-    ctx = _CONTEXT.get()
-    if ctx is None:
-        return True
-    mesh, rules = ctx
-    return size % math.prod(mesh.shape[a] for a in rules.get(name) or ()) == 0
+    """Whether a dim of `size` with logical name `name` divides over its mesh axes (True without a mesh)."""
+    return size % shards(name) == 0
 
 
 def constrain(x, axes: tuple[str | None, ...]):
-    """Sharding constraint by logical names; identity when no mesh is active."""
+    """Sharding constraint by logical names; identity on one device (`single_device()`) and in eager calls."""
     ctx = _CONTEXT.get()
     if ctx is None:
+        if isinstance(x, jax.core.Tracer):
+            raise RuntimeError(
+                f"a traced array with logical axes {axes} met no sharding rules: trace the model inside "
+                "mjax.sharding.logical_sharding(mesh, rules) (mjax.parallel.rules.logical_rules gives the table), or "
+                "inside mjax.sharding.single_device() to run it on one device on purpose")
         return x
     mesh, rules = ctx
+    if mesh is None:
+        return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, rules, x.shape, mesh)))
