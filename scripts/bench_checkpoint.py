@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mjax.checkpoint import Checkpointer
+from mjax.train.loop import checkpointer
 from mjax.config import load_config
 from mjax.train.benchmark import synthetic_batch
 from mjax.train.loop import build
@@ -68,7 +68,7 @@ def main():
         train_step()
     times = [train_step() for _ in range(5)]
     base = statistics.median(times)
-    ckpt = Checkpointer(cfg, setup)
+    ckpt = checkpointer(setup)
     saves = []
     for label in ("async save 1 (first: one-time set-up)", "async save 2"):
         reference = jax.tree.map(jnp.copy, state) if label.endswith("2") else None
@@ -92,7 +92,7 @@ def main():
     # Restore the second async checkpoint onto the current mesh and check it is the state it was taken from.
     load_cfg = cfg.replace(checkpoint=dict(save=None, load=os.path.join(root, "async"), load_step=saved_step))
     t0 = time.perf_counter()
-    restored, _ = Checkpointer(load_cfg, setup).restore_or_init()
+    restored, _ = checkpointer(setup, load_cfg).restore_or_init()
     jax.block_until_ready(restored)
     restore_s = time.perf_counter() - t0
     same = all(bool(jnp.array_equal(a, b)) for a, b in zip(
@@ -101,7 +101,7 @@ def main():
     shutil.rmtree(os.path.join(root, "async"), ignore_errors=True)  # room on disk for the next one
 
     sync_cfg = cfg.replace(checkpoint=dict(save=os.path.join(root, "sync"), async_save=False, keep=1))
-    sync = Checkpointer(sync_cfg, setup)
+    sync = checkpointer(setup, sync_cfg)
     t0 = time.perf_counter()
     sync.save(step, state, step * args.batch, wait=True)
     sync_s = time.perf_counter() - t0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orbax.checkpoint._src.path import atomicity
 
-from mjax.checkpoint import Checkpointer
+from mjax.train.checkpoint import Checkpointer
 
 _finalize = atomicity.AtomicRenameTemporaryPath.finalize
 _after_step = Checkpointer.after_step

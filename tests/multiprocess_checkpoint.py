@@ -21,7 +21,7 @@ import jax  # noqa: E402
 def main(process_id: int, port: int, directory: str, out: str):
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id,
                                cluster_detection_method="deactivate")
-    from mjax.checkpoint import Checkpointer  # noqa: PLC0415
+    from mjax.train.checkpoint import Checkpointer  # noqa: PLC0415
     from mjax.logging_setup import setup_logging  # noqa: PLC0415
     from mjax.train.loop import train  # noqa: PLC0415
     from tests.train_utils import multiprocess_config  # noqa: PLC0415

@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from mjax.checkpoint import Checkpointer, CheckpointError
-from mjax.convert import orbax_io
-from mjax.train.loop import build, train
+from mjax.storage import params as params_io
+from mjax.storage.steps import CheckpointError
+from mjax.train.checkpoint import Checkpointer
+from mjax.train.loop import build, checkpointer, train
 from tests.train_utils import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +100,7 @@ def test_restore_reshards_onto_another_layout(interrupted, layout):
     parallel = dict(tp=1, fsdp=1) if layout == "one device" else layout
     cfg = corpus_config(parallel=parallel, checkpoint=dict(load=interrupted["dir"], load_step=3))
     setup = build(cfg, devices)
-    state, consumed = Checkpointer(cfg, setup).restore_or_init()
+    state, consumed = checkpointer(setup).restore_or_init()
     assert consumed == 3 * cfg.train.global_batch_size
     for got, want, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(interrupted["state"]),
                                    jax.tree.leaves(setup.state_sharding)):
@@ -109,7 +110,7 @@ def test_restore_reshards_onto_another_layout(interrupted, layout):
 
 def _restore(directory, checkpoint=(), **sections):
     cfg = corpus_config(checkpoint=dict(load=directory, **dict(checkpoint)), **sections)
-    return Checkpointer(cfg, build(cfg)).restore_or_init()
+    return checkpointer(build(cfg)).restore_or_init()
 
 
 def test_another_model_shape_names_the_parameter_and_both_shapes(interrupted):
@@ -159,8 +160,8 @@ def test_load_params_only_takes_weights_with_a_fresh_optimizer(interrupted, tmp_
     if source == "converted checkpoint":  # the layout of mjax.convert: <dir>/params + <dir>/config.json
         directory = str(tmp_path / "converted")
         os.makedirs(directory)
-        orbax_io.save_params(directory, interrupted["state"].params)
-        orbax_io.write_json(os.path.join(directory, orbax_io.CONFIG), corpus_config().to_dict())
+        params_io.save_params(directory, interrupted["state"].params)
+        params_io.write_json(os.path.join(directory, params_io.CONFIG), corpus_config().to_dict())
     state, consumed = _restore(directory, parallel=dict(tp=1, fsdp=4),
                                checkpoint=dict(load_params_only=True))
     assert consumed == 0 and int(state.step) == 0

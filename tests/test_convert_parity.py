@@ -10,7 +10,7 @@ import pytest
 
 from mjax.config import from_dict
 from mjax.convert import hf_to_mjax, load_pretrained, mjax_to_hf
-from mjax.convert import orbax_io
+from mjax.storage import params as params_io
 from mjax.convert.hf import model_config_from_hf, params_from_hf
 from mjax.convert.spec import unflatten
 from mjax.model import build_model
@@ -66,7 +66,7 @@ def test_export_without_the_original_hf_config(converted, tmp_path):
     for name in ("qwen2_tied", "gpt2", "mistral_swa"):
         src = tmp_path / name
         shutil.copytree(converted[name][0], src)
-        (src / orbax_io.HF_CONFIG).unlink()
+        (src / params_io.HF_CONFIG).unlink()
         mjax_to_hf(src, tmp_path / f"{name}_hf", dtype="float32")
         original, exported = read_safetensors(FIXTURES / name), read_safetensors(tmp_path / f"{name}_hf")
         for k, a in original.items():
@@ -90,7 +90,7 @@ def test_checkpoint_layout_is_a_plain_orbax_pytree(converted):
     assert jax.tree.map(lambda x: x.shape, restored) == jax.tree.map(lambda x: x.shape, abstract)
     emb = np.asarray(restored["embed"]["embedding"])
     assert emb.shape[0] == 384 and not emb[300:].any()  # vocab 300 padded with zero rows
-    assert str(orbax_io.param_metadata(ckpt)["layers/mlp/up_proj/kernel"][1]) == "bfloat16"  # stored as in HF
+    assert str(params_io.param_metadata(ckpt)["layers/mlp/up_proj/kernel"][1]) == "bfloat16"  # stored as in HF
 
 
 def test_restore_adapts_vocab_padding_and_shards(converted):
@@ -101,7 +101,7 @@ def test_restore_adapts_vocab_padding_and_shards(converted):
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                             build_model(wider).abstract_params())
-    params = orbax_io.restore(ckpt, abstract)
+    params = params_io.restore(ckpt, abstract)
     assert params["embed"]["embedding"].shape == (512, 64) and params["embed"]["embedding"].sharding == sharding
     _, flat = params_from_hf(FIXTURES / "gpt2")
     np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"])[:384], flat["embed/embedding"])

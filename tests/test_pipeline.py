@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from mjax.parallel.layout import validate_layout
-from mjax.checkpoint import Checkpointer
+from mjax.train.loop import checkpointer
 from mjax.config import ConfigError
 from mjax.sharding import logical_sharding
 from mjax.parallel import pipeline
@@ -83,7 +83,7 @@ def pp2_checkpoint(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("pp2"))
     cfg = _config(dict(pp=2, pipeline_schedule="gpipe"), micro=2, checkpoint=dict(save=directory))
     losses, state, setup = _train(cfg, last=STEPS - 1)
-    ckpt = Checkpointer(cfg, setup)
+    ckpt = checkpointer(setup)
     ckpt.save(STEPS - 1, state, (STEPS - 1) * cfg.train.global_batch_size, wait=True)
     ckpt.close()
     return losses, state, directory
@@ -121,7 +121,7 @@ def test_pp2_gpipe_matches_and_its_checkpoint_continues_at_pp4_tp2_1f1b(single_d
     losses, saved, directory = pp2_checkpoint
     _assert_same(losses, saved.params, ref_losses[:-1], ref_snapshots[-2])
     cfg = _config(dict(pp=4, tp=2), micro=4, checkpoint=dict(load=directory))
-    state, _ = Checkpointer(cfg, build(cfg)).restore_or_init()
+    state, _ = checkpointer(build(cfg)).restore_or_init()
     assert int(state.step) == STEPS - 1
     last_loss, state, _ = _train(cfg, state=state, first=STEPS - 1)
     _assert_same(losses + last_loss, state.params, ref_losses, ref_params)
@@ -140,7 +140,7 @@ def test_pp2_checkpoint_restores_at_pp1_with_the_same_eval_loss(pp2_checkpoint):
     _, saved, directory = pp2_checkpoint
     cfg = _config(checkpoint=dict(load=directory))
     setup = build(cfg)
-    state, _ = Checkpointer(cfg, setup).restore_or_init()
+    state, _ = checkpointer(setup).restore_or_init()
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved.params)):
         assert a.shape == b.shape and "pipeline" not in jax.tree.leaves(a.sharding.spec)
         np.testing.assert_array_equal(a, b)

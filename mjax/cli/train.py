@@ -15,7 +15,7 @@ import logging
 
 from absl import flags
 
-from mjax.checkpoint import CheckpointError
+from mjax.storage.steps import CheckpointError
 from mjax.cli.common import BAD_INPUT, CHECKPOINT, NONFINITE, fail, no_positional, run
 from mjax.config import ConfigError
 from mjax.config.flags import config_from_flags, define_config_flags

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from mjax.config import Config, ConfigError, ModelConfig
-from mjax.convert import orbax_io, source, tokenizer
+from mjax.convert import source, tokenizer
+from mjax.storage import params as params_io
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
 from mjax.convert.moe import DEEPSEEK_MOE, MIXTRAL, MOE_FAMILIES, OLMOE, QWEN2_MOE, QWEN3_MOE
@@ -146,7 +147,7 @@ def iter_params(directory, dtype=None):
 
 
 def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
-    """Converts an HF model directory into an mjax params-only checkpoint (layout: mjax.convert.orbax_io)."""
+    """Converts an HF model directory into an mjax params-only checkpoint (layout: mjax.storage.params)."""
     src = source.resolve(input_dir)
     if src.kind != "hf":
         raise InputError(f"--input={input_dir} is an mjax checkpoint ({src.kind}), not a Hugging Face model "
@@ -154,9 +155,9 @@ def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
     output = Path(output_dir)
     model_cfg, chunks = iter_params(input_dir, dtype)
     output.mkdir(parents=True, exist_ok=True)
-    nbytes = orbax_io.save_params_streaming(output, chunks)
-    orbax_io.write_json(output / orbax_io.CONFIG, base_config(dataclasses.asdict(model_cfg)).to_dict())
-    shutil.copy(Path(input_dir) / "config.json", output / orbax_io.HF_CONFIG)
+    nbytes = params_io.save_params_streaming(output, chunks)
+    params_io.write_json(output / params_io.CONFIG, base_config(dataclasses.asdict(model_cfg)).to_dict())
+    shutil.copy(Path(input_dir) / "config.json", output / params_io.HF_CONFIG)
     tok = tokenizer.find(src)
     if tok:
         tokenizer.copy(tok, output)
@@ -219,18 +220,18 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
     cfg, src = found.config, found.directory
     output = Path(output_dir)
     m = cfg.model
-    original = json.loads((src / orbax_io.HF_CONFIG).read_text()) if (src / orbax_io.HF_CONFIG).exists() else None
+    original = json.loads((src / params_io.HF_CONFIG).read_text()) if (src / params_io.HF_CONFIG).exists() else None
     if architecture:
         if architecture not in FAMILIES:
             raise InputError(f"--architecture={architecture} is not supported; supported: {', '.join(FAMILIES)}")
         family = FAMILIES[architecture]
     else:
         family = family_for(original) if original else infer_family(m)
-    meta = orbax_io.param_metadata(src)  # ConversionError when unreadable
+    meta = params_io.param_metadata(src)  # ConversionError when unreadable
     shapes = {p: s for p, (s, _) in meta.items()}
     want = param_shapes(m)
     for p, s in want.items():  # the stored vocab padding may differ; everything else must match
-        if p in shapes and p not in orbax_io.VOCAB_AXES and shapes[p] != s:
+        if p in shapes and p not in params_io.VOCAB_AXES and shapes[p] != s:
             raise ConversionError(f"parameter {p!r}: checkpoint has shape {shapes[p]}, config.json implies {s}")
     dims = dataclasses.replace(Dims.of(m), vp=shapes.get("embed/embedding", (0,))[0])
     out_dtype = lambda r: np.dtype(dtype) if dtype else meta[r.mjax[0]][1]  # noqa: E731
@@ -242,7 +243,7 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
             for r in rules for name in names[r].values()]
     output.mkdir(parents=True, exist_ok=True)
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
-    stores = orbax_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one slab of layers at a time
+    stores = params_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one slab of layers at a time
     for r in rules:
         layers = shapes[r.mjax[0]][0] if r.per_layer else 0
         for index, parts in _read_layers({p: stores[p] for p in r.mjax}, r, layers):
@@ -252,7 +253,7 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
     written = tokenizer.write(tok, output, m.max_position_embeddings or cfg.train.seq_length) if tok else []
     if tok and "eos_token_id" not in hf_config and tok.eos_id() is not None:  # generate() stops there
         hf_config["eos_token_id"] = tok.eos_id()
-    orbax_io.write_json(output / "config.json", hf_config)
+    params_io.write_json(output / "config.json", hf_config)
     if with_tokenizer and not tok:
         log.warning("no tokenizer written: %s holds no tokenizer files", found.describe())
     return {"architecture": family.architectures[0], "tensors": len(plan), "bytes": writer.total,

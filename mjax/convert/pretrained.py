@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mjax.config import Config, PrecisionConfig
-from mjax.convert import orbax_io, source
+from mjax.convert import source
+from mjax.storage import params as params_io
 from mjax.convert.spec import ConversionError, unflatten
 from mjax.sharding import single_device
 
@@ -46,15 +47,15 @@ def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = No
     found = path if isinstance(path, source.Source) else source.resolve(path, step, flag="--load")
     path = found.directory
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
-    if found.kind != "hf":  # converted or training: the same params/ layout (mjax/convert/orbax_io.py)
+    if found.kind != "hf":  # converted or training: the same params/ layout (mjax/convert/params_io.py)
         cfg = dataclasses.replace(found.config, precision=precision)
         model_def = build_model(cfg.model, precision)
-        return Pretrained(model_def, orbax_io.restore(path, model_def.abstract_params()), cfg), cfg
+        return Pretrained(model_def, params_io.restore(path, model_def.abstract_params()), cfg), cfg
     model_cfg, flat = params_from_hf(path)
     cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision)
     model_def = build_model(cfg.model, precision)
     padded = model_def.vocab_size
-    params = unflatten({p: jnp.asarray(orbax_io.fit_vocab(p, x, padded).astype(np.dtype(dtype)))
+    params = unflatten({p: jnp.asarray(params_io.fit_vocab(p, x, padded).astype(np.dtype(dtype)))
                         for p, x in flat.items()})
     want = jax.tree.map(lambda a: (a.shape, a.dtype), model_def.abstract_params())
     got = jax.tree.map(lambda a: (a.shape, a.dtype), params)

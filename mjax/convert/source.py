@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from mjax.config import Config, from_dict
-from mjax.convert import orbax_io
+from mjax.storage import params as params_io
 from mjax.convert.spec import ConversionError, InputError
 
 
@@ -27,7 +27,7 @@ class Source:
 
 
 def _training_steps(directory: Path) -> list[int]:
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / orbax_io.PARAMS).is_dir())
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / params_io.PARAMS).is_dir())
 
 
 def resolve(path, step: int | None = None, flag: str = "--input") -> Source:
@@ -38,8 +38,8 @@ def resolve(path, step: int | None = None, flag: str = "--input") -> Source:
         raise InputError(f"{flag}={path} does not exist")
     if not path.is_dir():
         raise InputError(f"{flag}={path} is a file; a checkpoint is a directory")
-    if orbax_io.is_mjax_checkpoint(path):
-        source = Source("converted", path, from_dict(json.loads((path / orbax_io.CONFIG).read_text())))
+    if params_io.is_mjax_checkpoint(path):
+        source = Source("converted", path, from_dict(json.loads((path / params_io.CONFIG).read_text())))
     elif (path / "config.json").exists():
         source = Source("hf", path, None)
     else:
@@ -52,7 +52,7 @@ def resolve(path, step: int | None = None, flag: str = "--input") -> Source:
 
 def _training(path: Path, step: int | None, flag: str) -> Source:
     run, steps = path, _training_steps(path)
-    if path.name.isdigit() and (path / orbax_io.PARAMS).is_dir():  # a step directory itself
+    if path.name.isdigit() and (path / params_io.PARAMS).is_dir():  # a step directory itself
         if step is not None and step != int(path.name):
             raise InputError(f"--ckpt_step={step}: {path} is the directory of step {path.name}")
         run, steps, step = path.parent, [int(path.name)], int(path.name)
@@ -60,7 +60,7 @@ def _training(path: Path, step: int | None, flag: str) -> Source:
         raise ConversionError(f"{flag}={path} is not a checkpoint: expected config.json and params/ (a converted mjax "
                               "checkpoint), step directories (scripts/train.py --save) or config.json and "
                               "*.safetensors (Hugging Face)")
-    from mjax.checkpoint import pick_step, saved_config  # noqa: PLC0415
+    from mjax.storage.steps import pick_step, saved_config  # noqa: PLC0415
 
     step = pick_step(steps, step, run, InputError)
     try:

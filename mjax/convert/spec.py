@@ -19,16 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-
-class ConversionError(ValueError):
-    """A checkpoint or config that cannot be converted; the message names the tensor, key or architecture.
-    The scripts exit with code 4 (an unusable checkpoint) on it."""
-
-
-class InputError(ConversionError):
-    """Bad input rather than a bad checkpoint: a path that does not exist, a flag value, an --output that already
-    holds a model, a tokenizer that cannot be written. The scripts exit with code 2 on it."""
-
+from mjax.storage import ConversionError, InputError, flatten, unflatten  # noqa: F401  (the conversion's own)
 
 STACKS = ("layers", "moe_layers")  # mjax's stacked blocks: dense, MoE (mjax.model.transformer)
 
@@ -200,29 +191,6 @@ class Family:
         if not r.per_expert:
             return [((row,), r.hf.format(i=i)) for row, i in enumerate(layers)]
         return [((row, j), r.hf.format(i=i, j=j)) for row, i in enumerate(layers) for j in range(dims.e)]
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """Nested dict -> {"a/b/c": leaf}."""
-    out = {}
-    for k, v in tree.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, path + "/"))
-        else:
-            out[path] = v
-    return out
-
-
-def unflatten(flat: dict) -> dict:
-    tree: dict = {}
-    for path, v in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return tree
 
 
 # ---- config translation helpers (tables of (HF key, ModelConfig field, default)) ----

@@ -8,11 +8,11 @@ import time
 import jax
 import numpy as np
 
-from mjax.checkpoint import Checkpointer, position_data
+from mjax.train.checkpoint import Checkpointer, position_data
 from mjax.model import build_model
 from mjax.sharding import logical_sharding
 from mjax.parallel.layout import Batching, describe_batching, validate_layout
-from mjax.parallel.mesh import make_mesh
+from mjax.parallel.mesh import describe, make_mesh
 from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
 from mjax.train.logger import MetricsLogger
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
@@ -69,6 +69,10 @@ class Setup:
         with self.sharding():
             return jax.jit(create, out_shardings=self.state_sharding)(init_key)
 
+    def state_from_params(self, params, rng) -> TrainState:
+        """A train state around `params` with fresh optimizer (and FP8) state (--load_params_only)."""
+        return TrainState.create(params, self.tx, rng, self.cfg.precision, self.model.init_fp8())
+
     def compile_step(self, state, batch, compiler_options=None):
         """(the compiled train step with this setup's shardings, state donated; compile seconds). `compiler_options`:
         XLA debug options for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would."""
@@ -108,6 +112,13 @@ def build(cfg, devices=None) -> Setup:
                  batch_sharding(mesh), batching, abstract_state)
 
 
+def checkpointer(setup: Setup, cfg=None, signals=None) -> Checkpointer:
+    """The checkpoint hook of a setup (`cfg`: its config unless given, e.g. with other checkpoint flags)."""
+    return Checkpointer(cfg or setup.cfg, abstract_state=setup.abstract_state, state_sharding=setup.state_sharding,
+                        init_state=setup.init_state, state_from_params=setup.state_from_params,
+                        mesh=describe(setup.mesh), signals=signals)
+
+
 def evaluate(eval_fn, params, batches, setup, fp8=None) -> float:
     """Mean token loss over the evaluation batches (each a whole global batch, no accumulation)."""
     sharding = batch_sharding(setup.mesh, ndim=2, leading=False)
@@ -144,7 +155,7 @@ def train(cfg, *, data=None, devices=None, state=None) -> TrainResult:
             data = build_data_iterators(cfg, process_index=jax.process_index(), process_count=jax.process_count())
         train_iter, evals = data[0], _eval_factories(cfg, data[1])
         with contextlib.closing(train_iter) if hasattr(train_iter, "close") else contextlib.nullcontext():
-            ckpt, consumed = Checkpointer(cfg, setup, signals), 0
+            ckpt, consumed = checkpointer(setup, signals=signals), 0
             if state is None:
                 state, consumed = ckpt.restore_or_init()
             start = int(state.step)

@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from mjax.checkpoint import Checkpointer, CheckpointError
+from mjax.storage.steps import CheckpointError
+from mjax.train.loop import checkpointer
 from mjax.config import ConfigError
-from mjax.convert import orbax_io
+from mjax.storage import params as params_io
 from mjax.train.loop import Setup, build, train
 from tests.train_utils import pattern_batches, tiny_config
 
@@ -78,7 +79,7 @@ def test_resuming_at_train_iters_returns_without_compiling(saved, no_compile, mj
 
 
 def _restore(cfg):
-    return Checkpointer(cfg, build(cfg)).restore_or_init()
+    return checkpointer(build(cfg)).restore_or_init()
 
 
 def test_resuming_with_other_settings_lists_every_changed_one(saved, mjax_warnings):
@@ -105,8 +106,8 @@ def test_load_of_a_converted_checkpoint_needs_load_params_only(saved, tmp_path):
     _, params = saved
     converted = tmp_path / "converted"  # the layout mjax.convert writes: <dir>/params + <dir>/config.json
     converted.mkdir()
-    orbax_io.save_params(converted, params)
-    orbax_io.write_json(converted / orbax_io.CONFIG, tiny_config().to_dict())
+    params_io.save_params(converted, params)
+    params_io.write_json(converted / params_io.CONFIG, tiny_config().to_dict())
     with pytest.raises(CheckpointError, match="--load_params_only"):
         _restore(tiny_config(checkpoint=dict(load=str(converted))))
     state, consumed = _restore(tiny_config(checkpoint=dict(load=str(converted), load_params_only=True)))

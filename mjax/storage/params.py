@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mjax.convert.spec import ConversionError, InputError, flatten, unflatten
+from mjax.storage import ConversionError, InputError, flatten, unflatten
 
 log = logging.getLogger(__name__)
 PARAMS = "params"
