@@ -15,7 +15,7 @@ Shapes are GROUPSxROWSxNxK: rows per group on average, x [G * rows, K], w [G, K,
 casts into both layouts and the three kernels; "pallas fp8"), its kernels alone on operands quantized beforehand
 ("fp8 kernels"; --fp8_mma=f16 converts e4m3 x e4m3 tiles to float16 too, to weigh the FP8 MMA against the 16-bit
 one), and the dense FP8 ceiling (e4m3 operands straight into dot_general: cuBLASLt; forward + backward through
-mjax.kernels.fp8.fp8_matmul); --tilings then sweeps the FP8 kernels and --check compares "pallas fp8" with the
+mjax.kernels.quant.fp8.fp8_matmul); --tilings then sweeps the FP8 kernels and --check compares "pallas fp8" with the
 float32 dequantize + ragged_dot reference of the same quantization:
 
     PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --fp8 --noragged_dot --check --json_out=gmm_fp8.json
@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fp8_grouped_cases as fp8_cases  # noqa: E402  (beside this script)
-from mjax.kernels import fp8  # noqa: E402
+from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling)
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402

@@ -4,7 +4,7 @@ training calls it, and the three FP8 kernels on operands quantized beforehand (t
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels import fp8
+from mjax.kernels.quant import fp8
 from mjax.kernels.grouped_matmul import fp8_grouped_matmul
 from mjax.kernels.grouped_matmul import fp8_pallas
 from mjax.kernels.grouped_matmul.tiling import FP8_MIN_DEPTH, kernel_tile_problem

@@ -36,10 +36,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from mjax.config import load_config  # noqa: E402
-from mjax.kernels import fp4, fp8_blockwise  # noqa: E402
-from mjax.kernels.fp8 import E4M3, quantize  # noqa: E402
-from mjax.kernels.fp8_cast_transpose import cast_transpose, cast_transpose_local  # noqa: E402
-from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
+from mjax.kernels.quant import blockwise as fp8_blockwise, fp4  # noqa: E402
+from mjax.kernels.quant.fp8 import E4M3, quantize  # noqa: E402
+from mjax.kernels.quant.cast_transpose import cast_transpose, cast_transpose_local  # noqa: E402
+from mjax.kernels.quant.block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
 from mjax.train.benchmark import synthetic_batch, time_fn  # noqa: E402
 from mjax.train.fp8_state import Fp8State  # noqa: E402

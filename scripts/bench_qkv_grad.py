@@ -20,8 +20,9 @@ apply_defaults()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mjax.kernels.qkv_rope_grad import qkv_rope_grad  # noqa: E402
-from mjax.model.rope import rope_cos_sin, split_rotate  # noqa: E402
+from mjax.kernels.qkv_rope_grad.pallas import qkv_rope_grad  # noqa: E402
+from mjax.kernels.qkv_rope_grad import split_rotate  # noqa: E402
+from mjax.model.rope import rope_cos_sin  # noqa: E402
 from mjax.train.benchmark import time_fn  # noqa: E402
 
 flags.DEFINE_bool("smoke", False, "Small shapes, kernel interpreted: checks the script off GPU.")
@@ -41,7 +42,7 @@ def main(_):
     moved = 2 * y.size * y.dtype.itemsize  # read the three gradients, write the fused one (angles: in L2)
     cases = [("copy of the same bytes (ceiling)", jax.jit(lambda y: y * 2), (y,)),
              ("xla: autodiff of the split (concatenate fusion)", jax.jit(lambda *c: vjp(c)[0]), cts),
-             ("pallas: kernels/qkv_rope_grad.py", jax.jit(lambda *c: qkv_rope_grad(*c, cos, sin, interpret=interpret)),
+             ("pallas: kernels/qkv_rope_grad/", jax.jit(lambda *c: qkv_rope_grad(*c, cos, sin, interpret=interpret)),
               cts)]
     rows, ceiling = [], None
     print(f"shape {[b, t, k, g + 2, h]} bf16, {moved / 1e6:.0f} MB moved per call")

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mjax.kernels.attention import dot_product_attention, reference_attention
-from mjax.kernels.flash_attention import flash_attention
-from mjax.kernels.flash_backward import flash_backward
-from mjax.kernels.flash_common import MaskSpec, default_block_sizes
-from mjax.kernels.flash_forward import flash_forward
+from mjax.kernels.attention.flash import flash_attention
+from mjax.kernels.attention.flash_backward import flash_backward
+from mjax.kernels.attention.flash_common import MaskSpec, default_block_sizes
+from mjax.kernels.attention.flash_forward import flash_forward
 
 RESULTS = {"checks": [], "tuning": [], "table": []}
 INTERPRET = jax.default_backend() != "gpu"

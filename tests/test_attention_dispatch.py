@@ -60,7 +60,7 @@ def test_dispatch_on_cpu_runs_each_possible_impl(caplog):
     v = jax.random.normal(ks[2], (1, 40, 2, 32), jnp.float32)
     seg = jnp.sort(jax.random.randint(ks[3], (1, 40), 0, 3), axis=1)
     want, want_lse = reference_attention(q, k, v, segment_ids=seg, return_lse=True)
-    attention._log_choice.cache_clear()
+    attention.dispatch._log_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="mjax.kernels.attention"):
         for impl in ("auto", "xla", "pallas"):
             out, lse = dot_product_attention(q, k, v, segment_ids=seg, impl=impl, return_lse=True)

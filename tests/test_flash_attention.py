@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mjax.kernels.attention import AttentionUnsupported, reference_attention
-from mjax.kernels.flash_attention import flash_attention
-from mjax.kernels.flash_common import BlockSizes, MaskSpec, segment_block_bounds
+from mjax.kernels.attention.flash import flash_attention
+from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, segment_block_bounds
 from tests.gpu_lowering import lower_for_h200
 
 # jax warns on every Triton-lowered pallas_call; pytest's own warning filters would show it 15 times

@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mjax.kernels import fp4
-from mjax.kernels.fp4_pallas import fake_quant_pallas, round_e2m1
+from mjax.kernels.quant import fp4
+from mjax.kernels.quant.fp4_pallas import fake_quant_pallas, round_e2m1
 
 
 def _np_fake_quant(x, recipe):

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mjax.kernels import fp8
-from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
+from mjax.kernels.quant import fp8
+from mjax.kernels.quant.fp8 import Fp8Spec, fp8_matmul
 from mjax.train import fp8_state
 
 

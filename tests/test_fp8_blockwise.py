@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mjax.kernels import fp8_blockwise as bw
-from mjax.kernels.fp8_block_gemm import GemmTiles, block_gemm_pallas
+from mjax.kernels.quant import blockwise as bw
+from mjax.kernels.quant.block_gemm import GemmTiles, block_gemm_pallas
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

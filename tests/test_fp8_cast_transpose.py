@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mjax.kernels.fp8 import quantize
-from mjax.kernels.fp8_cast_transpose import cast_transpose
+from mjax.kernels.quant.fp8 import quantize
+from mjax.kernels.quant.cast_transpose import cast_transpose
 
 
 def _f32(a):

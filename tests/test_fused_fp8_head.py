@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mjax.kernels.cross_entropy import cross_entropy_reference
-from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
-from mjax.kernels.fused_cross_entropy import fused_cross_entropy_sums
+from mjax.kernels.quant.fp8 import Fp8Spec, fp8_matmul
+from mjax.kernels.cross_entropy.fused import fused_cross_entropy_sums
 
 B, T, D, V, VOCAB = 2, 64, 128, 256, 250  # the last 6 of 256 logits are vocab padding
 

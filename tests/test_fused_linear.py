@@ -7,11 +7,12 @@ import pytest
 from flax import nnx
 
 from mjax.config import load_config
-from mjax.kernels.fp8 import Fp8Spec, fp8_matmul
+from mjax.kernels.quant.fp8 import Fp8Spec, fp8_matmul
 from mjax.kernels.quant import QuantPolicy
 from mjax.model.attention import Attention
 from mjax.model.layers import Fp8Meta, Linear, fused_linear
-from mjax.model.mlp import MLP, swiglu_pairs
+from mjax.kernels.swiglu import swiglu_pairs
+from mjax.model.mlp import MLP
 from mjax.model.rope import apply_rope, rope_frequencies
 
 

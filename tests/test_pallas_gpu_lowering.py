@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mjax.kernels.fp4_pallas import fake_quant_pallas
-from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
-from mjax.kernels.fp8_cast_transpose import cast_transpose_local
+from mjax.kernels.quant.fp4_pallas import fake_quant_pallas
+from mjax.kernels.quant.blockwise import BlockwiseSpec, blockwise_matmul
+from mjax.kernels.quant.cast_transpose import cast_transpose_local
 from tests.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mjax.kernels.fp4_pallas import fake_quant_pallas
-from mjax.kernels.fp8_block_gemm import block_gemm_pallas
-from mjax.kernels.fp8_blockwise import expand_cols, quantize_rows, quantize_tiles
+from mjax.kernels.quant.fp4_pallas import fake_quant_pallas
+from mjax.kernels.quant.block_gemm import block_gemm_pallas
+from mjax.kernels.quant.blockwise import expand_cols, quantize_rows, quantize_tiles
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

@@ -187,13 +187,14 @@ def test_evaluation_follows_cross_entropy_impl():
     assert ref_temp > logits_bytes and fused_temp < ref_temp - logits_bytes // 2, (ref_temp, fused_temp)
 
 
-def test_attn_core_policy_keeps_the_cudnn_forward_only_when_named():
+def test_attn_core_policy_keeps_the_cudnn_forward_only_when_named(monkeypatch):
     """cuDNN's forward cannot be traced off GPU; its primitive is what the policy sees there (measured on the H200:
-    the forward kernel ran once per layer instead of twice)."""
+    the forward kernel ran once per layer instead of twice). The policy looks for it on a GPU only."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
 
     from mjax.model.transformer import remat_policy  # noqa: PLC0415
 
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     prim = cudnn._dot_product_attention_fwd_p_wrapper
     with_core = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_core",))).model)
     without = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_out",))).model)

@@ -47,7 +47,7 @@ class PrecisionConfig:
     min_loss_scale: float = field(1.0, "min_loss_scale")
     loss_scale_window: int = field(1000, "loss_scale_window")
     hysteresis: int = field(2, "hysteresis")
-    # FP8 / FP4 linear layers (mjax/kernels/quant.py). Unset recipes train every GEMM in compute_dtype.
+    # FP8 / FP4 linear layers (mjax/kernels/quant/). Unset recipes train every GEMM in compute_dtype.
     fp8_recipe: str | None = field(
         None, "fp8_recipe", "delayed | tensorwise | blockwise: FP8 GEMMs (forward, dgrad, wgrad) with scales from an "
         "amax history, from this step's amax, or per 1x128 activation / 128x128 weight block.")

@@ -187,7 +187,7 @@ def pipeline_schedule(p) -> str:
 
 
 def validate_quantization(cfg: Config) -> None:
-    """--fp8_* / --fp4_* flags (mjax/kernels/quant.py)."""
+    """--fp8_* / --fp4_* flags (mjax/kernels/quant/)."""
     pr, m = cfg.precision, cfg.model
     choice(pr.compute_dtype, ("bfloat16", "float16", "float32"), "precision.compute_dtype")
     choice(pr.fp8_recipe, (None, *kernels.FP8_RECIPES), "fp8_recipe")

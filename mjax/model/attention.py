@@ -6,7 +6,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention import cached_attention, dot_product_attention
 from mjax.model.layers import Linear, fused_linear, fused_product, make_norm, output_std
-from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies, split_qkv, use_qkv_grad_kernel
+from mjax.kernels.qkv_rope_grad import split_qkv, use_qkv_grad_kernel
+from mjax.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from mjax.sharding import constrain, splits_evenly
 
 

@@ -21,7 +21,7 @@ class ModelDef:
     cfg: object  # ModelConfig
     dtype: str = "float32"
     param_dtype: str = "float32"
-    quant: QuantPolicy | None = None  # the FP8/FP4 policy of the linear layers (mjax/kernels/quant.py)
+    quant: QuantPolicy | None = None  # the FP8/FP4 policy of the linear layers (mjax/kernels/quant/)
 
     def module(self, key) -> CausalLM:
         return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),

@@ -1,7 +1,7 @@
 """FP8 scaling state in the train state: per linear layer an amax history and the scales derived from it.
 
 The model's FP8 layers take their scales as an input whose "gradient" is the amax they observed this step
-(mjax/kernels/fp8.py), so `jax.grad` returns the new amaxes next to the parameter gradients: stacked [L, 3] for the
+(mjax/kernels/quant/fp8.py), so `jax.grad` returns the new amaxes next to the parameter gradients: stacked [L, 3] for the
 scanned layers, max-reduced over micro-batches by the step. `update` then rolls them into the history and
 derives the next scales, Transformer Engine's delayed scaling:
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mjax.kernels.fp8 import FORMATS, fp8_max, pow2_floor
+from mjax.kernels.quant.fp8 import FORMATS, fp8_max, pow2_floor
 
 
 @struct.dataclass

@@ -5,9 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mjax.kernels.cross_entropy import cross_entropy_reference
-from mjax.kernels.fused_cross_entropy import fused_cross_entropy_sums
-from mjax.kernels.quant import per_tensor_spec
+from mjax.kernels import cross_entropy
 from mjax.model import moe_terms
 from mjax.parallel import pipeline
 from mjax.train import fp8_state
@@ -27,17 +25,11 @@ def hidden_states(model, params, micro, use_segments: bool, fp8=None, moe_keys=N
 @jax.named_scope("loss")
 def head_sums(module, h, micro, model_cfg, z_loss_coeff: float):
     """(loss sum, z-loss sum) over a micro-batch's unmasked tokens, from the final hidden states [B, T, D], by
-    --cross_entropy_impl: `fused` never holds the whole fp32 logits."""
-    mask = micro["loss_mask"]
-    if model_cfg.cross_entropy_impl == "fused":
-        w, vocab_axis, quant, meta = module.output_layer()
-        return fused_cross_entropy_sums(h, w, micro["targets"], mask, vocab_axis=vocab_axis,
-                                        vocab_size=model_cfg.vocab_size, z_loss_coeff=z_loss_coeff,
-                                        chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype,
-                                        fp8_spec=None if quant is None else per_tensor_spec(quant), fp8_meta=meta)
-    loss, log_z = cross_entropy_reference(module.logits(h), micro["targets"], vocab_size=model_cfg.vocab_size,
-                                          z_loss_coeff=z_loss_coeff)
-    return jnp.sum(loss * mask), jnp.sum(jnp.square(log_z) * mask)
+    --cross_entropy_impl (mjax.kernels.cross_entropy)."""
+    return cross_entropy.loss_sums(h, micro["targets"], micro["loss_mask"], impl=model_cfg.cross_entropy_impl,
+                                   vocab_size=model_cfg.vocab_size, z_loss_coeff=z_loss_coeff,
+                                   chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype,
+                                   logits_fn=module.logits, output_layer=module.output_layer())
 
 
 def make_train_step(model, cfg, tx, schedule):
@@ -89,7 +81,7 @@ def make_train_step(model, cfg, tx, schedule):
         num_micro = batch["inputs"].shape[0]
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
         scale = state.loss_scale.scale if fp16 else jnp.ones((), jnp.float32)
-        # The FP8 scales' "gradients" are the amaxes each layer observed (kernels/fp8.py): max over micro-batches.
+        # The FP8 scales' "gradients" are the amaxes each layer observed (kernels/quant/fp8.py): max over micro-batches.
         fp8_scales = state.fp8.scales if state.fp8 is not None else {}
         grad_fn = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
 

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mjax.kernels.fp8 import Fp8Spec
+from mjax.kernels.quant.fp8 import Fp8Spec
 from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
                                          fp8_grouped_matmul, resolve_tiling, why_unsupported)
 from mjax.kernels.grouped_matmul.fp8 import GroupedFp8Plan, grouped_fp8

@@ -140,7 +140,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
 def fp8_grouped_matmul(x, w, group_sizes, meta, spec, *, impl: str = "auto", tiling: Tiling | None = None):
     """The grouped matmul in per-tensor FP8 (fp8.py): x [M, K] in the compute dtype, w one [G, K, N] (any float
     dtype; the master weights) or a tuple of them reading the same x, meta [G, 3] f32 (a tuple with w's), spec an
-    mjax.kernels.fp8.Fp8Spec -> y [M, N] in x.dtype (a tuple with w's). Raises GroupedMatmulUnsupported (naming
+    mjax.kernels.quant.fp8.Fp8Spec -> y [M, N] in x.dtype (a tuple with w's). Raises GroupedMatmulUnsupported (naming
     --moe_grouped_gemm_impl) when `impl` cannot do the call."""
     from mjax.kernels.grouped_matmul.fp8 import GroupedFp8Plan, grouped_fp8  # noqa: PLC0415  (imports the kernels)
 

@@ -1,5 +1,5 @@
 """Per-tensor FP8 grouped matmul (--fp8_recipe=delayed | tensorwise), the MoE expert GEMMs' quantized path: all three
-GEMMs in FP8 through one custom_vjp, as `mjax.kernels.fp8.fp8_matmul` runs a linear layer's.
+GEMMs in FP8 through one custom_vjp, as `mjax.kernels.quant.fp8.fp8_matmul` runs a linear layer's.
 
     forward  y  = x @ w[g]       e4m3 x e4m3
     dgrad    dx = g @ w[g]^T     grad x e4m3   (grad is e5m2 with --fp8_format=hybrid, else e4m3)
@@ -37,9 +37,9 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.custom_batching import custom_vmap
 
-from mjax.kernels import fp8
-from mjax.kernels.fp8 import META_G, META_W, META_X, Fp8Spec, _named_fp8, pow2_floor, scale_from_amax
-from mjax.kernels.fp8_cast_transpose import cast_transpose_local
+from mjax.kernels.quant import fp8
+from mjax.kernels.quant.fp8 import META_G, META_W, META_X, Fp8Spec, _named_fp8, pow2_floor, scale_from_amax
+from mjax.kernels.quant.cast_transpose import cast_transpose_local
 from mjax.kernels.grouped_matmul import fp8_pallas
 from mjax.kernels.grouped_matmul.reference import ragged_product, ragged_product_vjp
 from mjax.kernels.grouped_matmul.tiling import Tiling

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mjax.kernels.flash_common import compiler_params, dot
+from mjax.kernels.attention.flash_common import compiler_params, dot
 from mjax.kernels.grouped_matmul.pallas import row_block_matmul
 from mjax.kernels.grouped_matmul.schedule import group_bounds, swizzle
 from mjax.kernels.grouped_matmul.tiling import KernelTile

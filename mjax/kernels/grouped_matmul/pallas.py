@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mjax.kernels.flash_common import compiler_params, dot
+from mjax.kernels.attention.flash_common import compiler_params, dot
 from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, row_tiles, swizzle
 from mjax.kernels.grouped_matmul.tiling import KernelTile, Tiling
 

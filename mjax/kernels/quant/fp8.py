@@ -128,7 +128,7 @@ def both_layouts(x, scale, dtype, spec: Fp8Spec, with_amax: bool = False):
     """x [R, C] -> its FP8 copies [R, C] and [C, R]: cuBLASLt's FP8 GEMMs read both operands K-major ("TN");
     with_amax: and max |x|, in the same pass (the kernel; XLA fuses its reduce with the cast)."""
     if spec.impl == "pallas":
-        from mjax.kernels.fp8_cast_transpose import cast_transpose  # noqa: PLC0415  (import only when chosen)
+        from mjax.kernels.quant.cast_transpose import cast_transpose  # noqa: PLC0415  (import only when chosen)
 
         return cast_transpose(x, scale, dtype, interpret=spec.interpret, with_amax=with_amax)
     q = quantize(x, scale, dtype)

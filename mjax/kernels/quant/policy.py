@@ -18,9 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.fp4 import Fp4Spec, fp4_matmul
-from mjax.kernels.fp8 import FP8_CAST, Fp8Spec, fp8_matmul
-from mjax.kernels.fp8_blockwise import BlockwiseSpec, blockwise_matmul
+from mjax.kernels.quant.fp4 import Fp4Spec, fp4_matmul
+from mjax.kernels.quant.fp8 import FP8_CAST, Fp8Spec, fp8_matmul
+from mjax.kernels.quant.blockwise import BlockwiseSpec, blockwise_matmul
 from mjax.kernels.options import FP4_RECIPES, QUANT_IMPLS
 
 IMPLS = QUANT_IMPLS
@@ -47,7 +47,7 @@ class QuantPolicy:
 
     @property
     def has_fp8_meta(self) -> bool:
-        """FP8 layers carry a [3] scale variable whose gradient is the observed amax (see kernels/fp8.py)."""
+        """FP8 layers carry a [3] scale variable whose gradient is the observed amax (see kernels/quant/fp8.py)."""
         return self.fp8_recipe is not None
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
+from mjax.kernels.attention.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
                                        query_block_segment_inputs, run_blocks, segment_block_bounds)
 
 

@@ -1,4 +1,4 @@
-"""Attention: the pure-JAX reference and the dispatch point every attention layer calls.
+"""The dispatch point every attention layer calls: the capability table behind `--attention_impl`.
 
 Layout is [batch, seq, heads, head_dim] (BTNH). K/V may have fewer heads than Q (GQA/MQA); they are never
 materialised repeated. Masks: causal, a left sliding window, and segment ids for packed documents.
@@ -10,102 +10,24 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.options import ATTENTION_IMPLS, ATTN_CORE
+from mjax.kernels.attention.cudnn import cudnn_attention
+from mjax.kernels.attention.errors import AttentionUnsupported
+from mjax.kernels.attention.reference import reference_attention
+from mjax.kernels.options import ATTENTION_IMPLS
 
 log = logging.getLogger(__name__)
 
 IMPLS = ATTENTION_IMPLS
 
 
-@functools.cache
-def cudnn_forward_primitives() -> tuple:
-    """cuDNN's fused attention forward primitives, whose results `attn_core` keeps (the Pallas kernel names its
-    own). Taken from JAX's private module, so a rename there fails loudly instead of silently recomputing; imported
-    only by a remat policy that can meet cuDNN attention."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
-
-    return cudnn._dot_product_attention_fwd_p, cudnn._dot_product_attention_fwd_p_wrapper
-
-
-class AttentionUnsupported(ValueError):
-    """The requested attention implementation cannot do this call; the message names the option to change."""
-
-
-def make_mask(t: int, s: int, *, causal: bool, sliding_window: int | None, segment_ids=None, kv_segment_ids=None):
-    """Boolean [B or 1, 1, T, S] mask; True means attend. Query i sits at position i + (s - t) of the keys."""
-    q_pos = jnp.arange(t)[:, None] + (s - t)
-    k_pos = jnp.arange(s)[None, :]
-    mask = jnp.ones((t, s), bool)
-    if causal:
-        mask &= k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= q_pos - k_pos < sliding_window
-    mask = mask[None, None]
-    if segment_ids is not None:
-        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
-        mask = mask & (segment_ids[:, None, :, None] == kv[:, None, None, :])
-    return mask
-
-
-def reference_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
-                        return_lse=False):
-    """Plain softmax attention in fp32; the oracle for every kernel. Returns out [B,T,N,H] (and lse [B,N,T]).
-
-    segment_ids: [B, T] (needs T == S), or a pair (q_segment_ids [B, T], kv_segment_ids [B, S]).
-    """
-    b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    groups = n // kh
-    scale = h**-0.5 if scale is None else scale
-    qg = q.reshape(b, t, kh, groups, h)  # [B, T, K, G, H]
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    q_seg, kv_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, None)
-    mask = make_mask(t, s, causal=causal, sliding_window=sliding_window, segment_ids=q_seg, kv_segment_ids=kv_seg)
-    logits = jnp.where(mask[:, :, None], logits, -jnp.inf)  # [B, K, G, T, S]
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked rows give zeros, not NaN
-    p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgts,bskh->btkgh", p / jnp.where(denom == 0, 1.0, denom), v.astype(jnp.float32))
-    out = out.reshape(b, t, n, h).astype(q.dtype)
-    if return_lse:
-        lse = (jnp.log(denom) + m)[..., 0].reshape(b, n, t)  # [B, N, T]
-        return out, lse
-    return out
-
-
-def cached_attention(q, k_cache, v_cache, positions, sliding_window=None):
-    """Decoding attention: q [B, T, N, H] at `positions` [B, T] over caches [B, S, K, H] that hold position s at
-    index s (later slots not yet written) -> [B, T, N, H]. Causal, with an optional left sliding window."""
-    b, t, n, h = q.shape
-    kh = k_cache.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * h**-0.5
-    kv_pos = jnp.arange(k_cache.shape[1])
-    mask = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    if sliding_window is not None:
-        mask &= positions[:, :, None] - kv_pos[None, None, :] < sliding_window
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache.astype(jnp.float32))
-    return out.reshape(b, t, n, h).astype(q.dtype)
-
-
-def _cudnn_attention(q, k, v, *, causal, sliding_window, segment_ids, scale, return_lse):
-    del segment_ids, return_lse  # None / False: the capability table (why_unsupported) sends those calls elsewhere
-    window = None if sliding_window is None else (sliding_window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, local_window_size=window,
-                                        implementation="cudnn")
-
-
 def _pallas_attention(q, k, v, **kwargs):
-    from mjax.kernels import flash_attention  # noqa: PLC0415  (import only when chosen)
-    from mjax.kernels.attention_sharded import shard_attention  # noqa: PLC0415
+    from mjax.kernels.attention import flash  # noqa: PLC0415  (import only when chosen)
+    from mjax.kernels.attention.sharded import shard_attention  # noqa: PLC0415
 
-    return shard_attention(flash_attention.flash_attention, q, k, v, **kwargs)
+    return shard_attention(flash.flash_attention, q, k, v, **kwargs)
 
 
-_IMPL_FNS = {"xla": reference_attention, "cudnn": _cudnn_attention, "pallas": _pallas_attention}
+_IMPL_FNS = {"xla": reference_attention, "cudnn": cudnn_attention, "pallas": _pallas_attention}
 
 
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -134,7 +56,7 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
             return "cudnn aligns the causal mask differently when query and key lengths differ"
         return None
     if impl == "pallas":
-        from mjax.kernels.flash_attention import DTYPES, MAX_HEAD_DIM  # noqa: PLC0415
+        from mjax.kernels.attention.flash import DTYPES, MAX_HEAD_DIM  # noqa: PLC0415
 
         if backend not in ("gpu", "cpu"):
             return f"the pallas kernel runs on GPU (or interpreted on CPU), not {backend}"

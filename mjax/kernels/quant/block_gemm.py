@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mjax.kernels.fp8_blockwise import BLOCK
+from mjax.kernels.quant.blockwise import BLOCK
 from mjax.kernels.per_shard import per_shard
 
 

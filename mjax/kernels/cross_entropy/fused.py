@@ -8,7 +8,7 @@ backward, while the peak memory is one chunk of fp32 logits instead of all of th
 gradients by the incoming cotangent. The z-loss sum is returned for logging only: its cotangent is ignored.
 
 With an Fp8Spec (--quantize_output_layer, per-tensor recipes) the three GEMMs run in FP8 like any quantized
-linear layer (kernels/fp8.py): h and w with whole-tensor scales, the logits' gradient with a scale per chunk
+linear layer (kernels/quant/fp8.py): h and w with whole-tensor scales, the logits' gradient with a scale per chunk
 (tensorwise: that chunk's amax, finer than one scale for all tokens; delayed: the history's). The FP8 scales'
 "gradient" is the observed amaxes of (h, w, logits' gradient over all chunks), as in `fp8_matmul`.
 """
@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels import fp8
-from mjax.kernels.cross_entropy import mask_vocab_padding, token_losses
+from mjax.kernels.quant import fp8
+from mjax.kernels.cross_entropy.reference import mask_vocab_padding, token_losses
 
 
 def fused_cross_entropy_sums(h, w, targets, mask, *, vocab_axis: int, vocab_size: int, z_loss_coeff: float = 0.0,

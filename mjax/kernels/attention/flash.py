@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import ATTN_CORE, AttentionUnsupported
-from mjax.kernels.flash_backward import flash_backward
-from mjax.kernels.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret, pow2_at_least
-from mjax.kernels.flash_forward import flash_forward
+from mjax.kernels.attention.errors import AttentionUnsupported
+from mjax.kernels.options import ATTN_CORE
+from mjax.kernels.attention.flash_backward import flash_backward
+from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret, pow2_at_least
+from mjax.kernels.attention.flash_forward import flash_forward
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256

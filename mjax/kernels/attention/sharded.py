@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mjax.kernels.attention import AttentionUnsupported
+from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.sharding import current_logical_sharding, logical_to_spec
 
 

@@ -130,7 +130,7 @@ def fake_quant(x, spec: Fp4Spec, axis: int, stochastic: bool = False):
     pad = -x.shape[1] % b
     xp = jnp.pad(x, ((0, 0), (0, pad))) if pad else x
     if spec.impl == "pallas":
-        from mjax.kernels.fp4_pallas import fake_quant_pallas  # noqa: PLC0415  (import only when chosen)
+        from mjax.kernels.quant.fp4_pallas import fake_quant_pallas  # noqa: PLC0415  (import only when chosen)
 
         out = fake_quant_pallas(xp, recipe=spec.recipe, interpret=spec.interpret, stochastic=stochastic)
     else:

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
+from mjax.kernels.attention.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
                                        query_block_segment_inputs, run_blocks)
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.fp8 import FORMATS, fp8_max
+from mjax.kernels.quant.fp8 import FORMATS, fp8_max
 
 BLOCK = 128
 
@@ -95,7 +95,7 @@ class BlockwiseSpec:
 
 def block_gemm(a, sa, bt, sb, out_dtype, spec: BlockwiseSpec):
     if spec.impl == "pallas":
-        from mjax.kernels.fp8_block_gemm import block_gemm_pallas  # noqa: PLC0415  (import only when chosen)
+        from mjax.kernels.quant.block_gemm import block_gemm_pallas  # noqa: PLC0415  (import only when chosen)
 
         return block_gemm_pallas(a, sa, bt, sb, out_dtype=out_dtype, interpret=spec.interpret)
     return block_gemm_reference(a, sa, bt, sb, out_dtype)

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mjax.kernels.fp4 import (BLOCKS, E2M1_MAX, E4M3_MAX, e8m0_round_up, global_scale, round_e2m1_stochastic,
+from mjax.kernels.quant.fp4 import (BLOCKS, E2M1_MAX, E4M3_MAX, e8m0_round_up, global_scale, round_e2m1_stochastic,
                               uniform_hash)
 from mjax.kernels.per_shard import per_shard
 

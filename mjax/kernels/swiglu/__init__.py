@@ -1,0 +1,44 @@
+"""SwiGLU of (gate, up) pairs, silu(gate) * up: the reference (autodiff of the plain expression) for wide dtypes and
+float32, and for 16-bit pairs a custom backward that treats each pair as one 32-bit word (one elementwise pass)."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def swiglu_pairs(y):
+    """silu(gate) * up of y [..., F, 2] holding (gate, up) pairs -> [..., F]."""
+    if y.dtype.itemsize == 2:
+        return _swiglu_packed(y)
+    return jax.nn.silu(y[..., 0]) * y[..., 1]
+
+
+@jax.custom_vjp
+def _swiglu_packed(y):
+    """16-bit pairs: the backward views each (gate, up) pair as one 32-bit word, so computing both gradients is
+    one elementwise pass that reads each pair once and writes it once. Autodiff splits y and concatenates the two
+    gradients, which XLA emits one operand at a time (inputs read twice, every other element written) after a
+    separate pass for the sigmoid: twice the time on an H200."""
+    return jax.nn.silu(y[..., 0]) * y[..., 1]
+
+
+def _unpack(words, dtype, shift):  # uint32 [...] -> f32 [...]: the 16-bit value at bit `shift`
+    return lax.bitcast_convert_type(((words >> shift) & 0xFFFF).astype(jnp.uint16), dtype).astype(jnp.float32)
+
+
+def _pack(x, dtype, shift):  # f32 [...] -> uint32 [...] holding x as `dtype` at bit `shift`
+    return lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32) << shift
+
+
+def _swiglu_packed_bwd(y, dh):
+    words = lax.bitcast_convert_type(y, jnp.uint32)  # [..., F, 2] -> [..., F]: gate in the low half (little-endian)
+    g_shift, u_shift = 0, 16
+    g, u, dh = _unpack(words, y.dtype, g_shift), _unpack(words, y.dtype, u_shift), dh.astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    d_gate = dh * u * s * (1 + g * (1 - s))  # d silu(g) / dg = s (1 + g (1 - s))
+    d_up = dh * g * s
+    out = _pack(d_gate, y.dtype, g_shift) | _pack(d_up, y.dtype, u_shift)  # [..., F]
+    return (lax.bitcast_convert_type(out, y.dtype),)  # [..., F, 2]
+
+
+_swiglu_packed.defvjp(lambda y: (_swiglu_packed(y), y), _swiglu_packed_bwd)
