@@ -17,6 +17,7 @@ import pytest
 from mjax.parallel.layout import validate_layout
 from mjax.config import ConfigError
 from mjax.model import build_model
+from mjax.sharding import single_device
 from mjax.train.optimizer import lr_schedule, make_optimizer
 from mjax.train.state import TrainState
 from mjax.train.step import make_train_step
@@ -114,6 +115,7 @@ def test_layer_amaxes_stack_per_layer_and_bf16_layers_observe_nothing():
 
 
 @pytest.fixture(scope="module")
+@single_device()  # a module's fixture runs outside conftest's single_device() of each test
 def runs():
     """recipe -> (cfg, model, final state, losses, last metrics), each trained STEPS steps from the same params and
     data with the real train step (single device, no mesh: the suite is compile-bound on CPU)."""
