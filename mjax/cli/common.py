@@ -51,7 +51,18 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main) -> None:
     """app.run with mjax's flag parsing; `main(argv) -> exit code`."""
+    as_main(main.__module__)
     app.run(main, flags_parser=parse_flags)
+
+
+def as_main(program: str) -> None:
+    """`--help` of scripts/<name>.py or a console script shows `program`'s docstring and flags, as `python -m
+    program` does: absl prints __main__'s docstring and the flags that sys.argv[0] defines."""
+    if program == "__main__":
+        return
+    sys.modules["__main__"].__doc__ = sys.modules[program].__doc__
+    for flag in FLAGS.get_key_flags_for_module(program):
+        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def fail(kind: str, error: BaseException, code: int) -> int:
