@@ -1,0 +1,287 @@
+"""Attention speed on the GPU: mjax's Pallas flash attention against cuDNN (jax.nn.dot_product_attention) and the
+unfused XLA reference, beside the bf16 matmul ceiling measured in the same run. One table and JSON.
+
+    python -m benchmarks.bench_attention --json_out=$OUT/attention.json
+    python -m benchmarks.bench_attention --notune --seqs=4096
+    python -m benchmarks.bench_attention --smoke --json_out=attention.json  # off GPU: tiny shapes, interpreted
+
+1. Block-size sweep (--notune skips it): a few block/warp/stage configurations of the forward kernel, then of the
+   two backward kernels alone on a saved forward output and LSE, at T=4096, B=8, 32 query / 8 KV heads, head dim
+   128, causal, bf16. The fastest forward and the fastest backward go into the table.
+2. Table: forward and forward + backward of pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
+   (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
+   then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
+TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
+(the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
+kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
+"""
+
+import dataclasses
+import json
+import sys
+
+from absl import app, flags
+
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.harness import matmul_ceiling_tflops, time_fn  # noqa: E402
+from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
+from mjax.kernels.attention.flash import flash_attention  # noqa: E402
+from mjax.kernels.attention.flash_backward import flash_backward  # noqa: E402
+from mjax.kernels.attention.flash_common import MaskSpec, default_block_sizes, default_interpret  # noqa: E402
+from mjax.kernels.attention.flash_forward import flash_forward  # noqa: E402
+
+flags.DEFINE_string("json_out", "", "Write the environment, the sweep and the table as JSON here (rewritten after "
+                    "each stage).")
+flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU.")
+flags.DEFINE_bool("tune", True, "Sweep the block sizes first (--notune: the table uses the library's defaults).")
+flags.DEFINE_list("seqs", ["2048", "4096", "8192"], "Sequence lengths of the table.")
+flags.DEFINE_integer("tokens", 32768, "Batch * seq of each table row.")
+flags.DEFINE_integer("skip_xla_bwd_over", 8192, "Skip xla's forward + backward above this seq (it materialises "
+                     "the T x T logits and their gradient).")
+flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
+FLAGS = flags.FLAGS
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPE = jnp.bfloat16
+TUNE_SEQ, TUNE_BATCH = 4096, 8
+WINDOW = 1024
+FWD_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4)]  # bq, bk, w, s
+BWD_CONFIGS = [  # (dq kernel: bq, bk, warps, stages), (dk/dv kernel: bq, bk, warps, stages)
+    ((128, 64, 8, 2), (64, 128, 8, 2)),
+    ((128, 64, 4, 2), (64, 64, 4, 2)),
+    ((64, 64, 4, 3), (64, 64, 4, 3)),
+    ((128, 32, 4, 3), (32, 128, 8, 3)),
+    ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ((128, 64, 8, 3), (64, 128, 8, 3)),
+]
+# --smoke: the same code paths at toy sizes; the sweep tries the first two configurations of each list (the blocks
+# clamped to the sequence), as every interpreted compile costs seconds on a CPU.
+SMOKE = dict(heads=(4, 2, HEAD_DIM), tune=(128, 1), configs=2, seqs=[64, 128], tokens=128, skip_xla_bwd_over=64)
+
+
+def causal_flops(b, t, n, h, window=None):
+    """Forward FLOPs of causal attention: 2 matmuls of 2*H per visible (query, key) pair."""
+    pairs = t * t / 2 if window is None else t * min(window, t) - min(window, t) ** 2 / 2
+    return 4 * b * n * pairs * h
+
+
+def inputs(t, b, heads, seed=0):
+    n, kh, h = heads
+    ks = jax.random.split(jax.random.key(seed), 4)
+    shapes = [(b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h)]  # q, k, v, dO
+    return [jax.random.normal(key, shape, jnp.float32).astype(DTYPE) for key, shape in zip(ks, shapes)]
+
+
+def packed_segments(b, t, seed=0):
+    """[B, T] ids of 4 documents of random length per row (3 distinct cut points)."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(np.stack([rng.choice(np.arange(1, t), size=3, replace=False) for _ in range(b)]), axis=1)
+    return jnp.asarray((np.arange(t)[None, None, :] >= cuts[:, :, None]).sum(1), jnp.int32)  # [B, 3] -> [B, T]
+
+
+def attention_fns(impl, blocks, interpret, window=None):
+    """jit'ed forward(q, k, v, seg) and forward + backward(q, k, v, seg, do) -> (dq, dk, dv) of one impl."""
+    def attend(q, k, v, seg):
+        if impl == "pallas":
+            return flash_attention(q, k, v, causal=True, sliding_window=window, segment_ids=seg, block_sizes=blocks,
+                                   interpret=interpret)
+        return dot_product_attention(q, k, v, causal=True, sliding_window=window, segment_ids=seg, impl=impl)
+
+    def fwd_bwd(q, k, v, seg, do):
+        _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
+        return vjp(do)
+
+    return jax.jit(attend), jax.jit(fwd_bwd)
+
+
+def time_or_error(fn, *args):
+    try:
+        return time_fn(fn, *args, min_s=FLAGS.min_time_s), None
+    except Exception as e:  # noqa: BLE001  (one failing case, e.g. out of memory, must not end the run)
+        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def rate(row, prefix, flop, seconds, ceiling):
+    row[f"{prefix}ms"] = seconds * 1e3
+    row[f"{prefix}tflops"] = flop / seconds / 1e12
+    row[f"{prefix}of_ceiling"] = row[f"{prefix}tflops"] / ceiling
+
+
+def sweep(heads, t, b, configs, ceiling, interpret, rows):
+    """The fastest forward configuration, then the fastest backward on top of it; None if no forward ran."""
+    q, k, v, do = inputs(t, b, heads)
+    flop = causal_flops(b, t, heads[0], heads[2])
+    base = default_block_sizes(heads[2])
+    best_fwd, best_s = None, float("inf")
+    for bq, bk, w, s in FWD_CONFIGS[:configs]:
+        cfg = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+        seconds, err = time_or_error(attention_fns("pallas", cfg, interpret)[0], q, k, v, None)
+        row = {"kind": "fwd", "config": f"bq={bq} bk={bk} warps={w} stages={s}", "error": err}
+        if seconds is not None:
+            rate(row, "", flop, seconds, ceiling)
+            if seconds < best_s:
+                best_fwd, best_s = cfg, seconds
+        rows.append(row)
+        print_sweep_row(row)
+    if best_fwd is None:
+        return None
+    # The backward alone: both kernels on this forward's output and LSE (saved once), as the custom_vjp calls them.
+    fwd_blocks = best_fwd.clamp(t, t)
+    spec = MaskSpec(causal=True, window=None, offset=0, kv_len=t, kv_len_padded=t, q_len_padded=t, segments=False)
+    scale = heads[2] ** -0.5
+    out, lse = flash_forward(q, k, v, None, None, spec=spec, blocks=fwd_blocks, scale=scale, interpret=interpret)
+    dlse = jnp.zeros_like(lse)
+    best_bwd, best_s = None, float("inf")
+    for (qa, ka, wa, sa), (qb, kb, wb, sb) in BWD_CONFIGS[:configs]:
+        cfg = dataclasses.replace(best_fwd, block_q_dq=qa, block_k_dq=ka, num_warps_dq=wa, num_stages_dq=sa,
+                                  block_q_dkv=qb, block_k_dkv=kb, num_warps_dkv=wb, num_stages_dkv=sb)
+        backward = jax.jit(lambda q, k, v, out, lse, do, dlse, blocks=cfg.clamp(t, t): flash_backward(
+            q, k, v, None, None, out, lse, do, dlse, spec=spec, blocks=blocks, scale=scale, interpret=interpret))
+        seconds, err = time_or_error(backward, q, k, v, out, lse, do, dlse)
+        row = {"kind": "bwd", "config": f"dq={(qa, ka, wa, sa)} dkv={(qb, kb, wb, sb)}", "error": err}
+        if seconds is not None:
+            rate(row, "", 2.5 * flop, seconds, ceiling)
+            if seconds < best_s:
+                best_bwd, best_s = cfg, seconds
+        rows.append(row)
+        print_sweep_row(row)
+    return best_bwd or best_fwd
+
+
+def print_sweep_row(row):
+    timing = (f"{row['ms']:9.3f} ms {row['tflops']:8.4g} TFLOP/s {row['of_ceiling']:6.1%} of ceiling"
+              if row["error"] is None else f"failed: {row['error']}")
+    print(f"sweep {row['kind']} {row['config']:44} {timing}", flush=True)
+
+
+def table_cases(seqs):
+    big = max(seqs)
+    window = min(WINDOW, big // 2)
+    return [(t, None, False) for t in seqs] + [(big, None, True), (big, window, False)]
+
+
+def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, rows, cudnn_skips):
+    n, _, h = heads
+    for t, window, packed in table_cases(seqs):
+        b = max(1, tokens // t)
+        q, k, v, do = inputs(t, b, heads, seed=t)
+        seg = packed_segments(b, t) if packed else None
+        flop = causal_flops(b, t, n, h, window)
+        for impl in ["pallas"] if packed else ["pallas", "cudnn", "xla"]:
+            if impl == "cudnn":
+                reason = why_unsupported("cudnn", backend=jax.default_backend(), dtype=DTYPE, head_dim=h,
+                                         segment_ids=False, return_lse=False, causal=True, sliding_window=window,
+                                         q_len=t, kv_len=t)
+                if reason:
+                    cudnn_skips.append({"seq": t, "window": window, "reason": reason})
+                    print(f"| cudnn{f' window={window}' if window else '':23} | {t:6d} | skipped: {reason}", flush=True)
+                    continue
+            label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
+            row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
+                   "fwd_bwd_skipped": impl == "xla" and t > skip_xla_bwd_over}
+            fwd, fwd_bwd = attention_fns(impl, blocks, interpret, window)
+            seconds, err = time_or_error(fwd, q, k, v, seg)
+            if seconds is not None:
+                rate(row, "fwd_", flop, seconds, ceiling)
+                if not row["fwd_bwd_skipped"]:
+                    seconds, err = time_or_error(fwd_bwd, q, k, v, seg, do)
+                    if seconds is not None:
+                        rate(row, "fwd_bwd_", 3.5 * flop, seconds, ceiling)
+            row["error"] = err
+            rows.append(row)
+            print_table_row(row)
+
+
+def table_header(ceiling, heads):
+    return (f"bf16 matmul ceiling measured in this run: {ceiling:.4g} TFLOP/s ('of ceil' = TFLOP/s / ceiling); "
+            f"{heads[0]} q heads, {heads[1]} kv heads, head dim {heads[2]}, causal, bf16\n"
+            f"| {'impl':28} | {'seq':>6} | {'B':>4} | {'fwd ms':>9} | {'TFLOP/s':>8} | {'of ceil':>7} | "
+            f"{'f+b ms':>9} | {'TFLOP/s':>8} | {'of ceil':>7} |")
+
+
+def print_table_row(row):
+    cells = []
+    for prefix in ("fwd_", "fwd_bwd_"):
+        if f"{prefix}ms" in row:
+            ms, tflops, of_ceiling = (row[f"{prefix}{key}"] for key in ("ms", "tflops", "of_ceiling"))
+            cells.append(f"{ms:9.3f} | {tflops:8.4g} | {of_ceiling:7.1%}")
+        else:
+            cells.append(f"{'skipped' if prefix == 'fwd_bwd_' and row['fwd_bwd_skipped'] else '-':>9} | "
+                         f"{'-':>8} | {'-':>7}")
+    tail = f" {row['error']}" if row["error"] else ""
+    print(f"| {row['label']:28} | {row['seq']:6d} | {row['batch']:4d} | {cells[0]} | {cells[1]} |{tail}", flush=True)
+
+
+def parse_seqs(values):
+    try:
+        seqs = [int(s) for s in values]
+    except ValueError:
+        seqs = []
+    if not seqs or min(seqs) < 2:
+        raise app.UsageError(f"--seqs={','.join(values)}: expected comma-separated sequence lengths >= 2")
+    return seqs
+
+
+def main(_):
+    seqs = parse_seqs(FLAGS.seqs)
+    if FLAGS.tokens < 1 or FLAGS.min_time_s <= 0:
+        raise app.UsageError(f"--tokens={FLAGS.tokens} must be >= 1 and --min_time_s={FLAGS.min_time_s} > 0")
+    if jax.default_backend() != "gpu" and not FLAGS.smoke:
+        raise app.UsageError(f"no GPU (JAX backend {jax.default_backend()}): the kernels would run interpreted at "
+                             "full size for hours; pass --smoke to check the script at toy sizes")
+    if FLAGS.smoke:
+        heads, (tune_t, tune_b) = SMOKE["heads"], SMOKE["tune"]
+        seqs, tokens, skip_xla_bwd_over = SMOKE["seqs"], SMOKE["tokens"], SMOKE["skip_xla_bwd_over"]
+    else:
+        heads, (tune_t, tune_b) = (HEADS, KV_HEADS, HEAD_DIM), (TUNE_SEQ, TUNE_BATCH)
+        tokens, skip_xla_bwd_over = FLAGS.tokens, FLAGS.skip_xla_bwd_over
+    interpret = FLAGS.smoke or default_interpret()
+    dev = jax.devices()[0]
+    report = {"env": {"jax": jax.__version__, "device": dev.device_kind, "platform": dev.platform,
+                      "python": sys.version.split()[0], "smoke": FLAGS.smoke, "interpret": interpret},
+              "shape": {"heads": heads[0], "kv_heads": heads[1], "head_dim": heads[2], "dtype": "bfloat16",
+                        "causal": True, "tokens": tokens, "tune_seq": tune_t, "tune_batch": tune_b},
+              "tuning": [], "table": [], "cudnn_skipped": []}
+
+    def save():
+        if FLAGS.json_out:
+            with open(FLAGS.json_out, "w") as f:
+                json.dump(report, f, indent=1)
+
+    print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}; kernels "
+          f"{'interpreted' if interpret else 'compiled (Triton)'}", flush=True)
+    ceiling = matmul_ceiling_tflops(256 if FLAGS.smoke else None)
+    report["matmul_ceiling_tflops"] = ceiling
+    save()
+
+    blocks = None
+    if FLAGS.tune:
+        print(f"\nblock-size sweep at T={tune_t}, B={tune_b} (ceiling {ceiling:.4g} TFLOP/s):", flush=True)
+        configs = SMOKE["configs"] if FLAGS.smoke else None
+        blocks = sweep(heads, tune_t, tune_b, configs, ceiling, interpret, report["tuning"])
+        if blocks is None:
+            print("sweep: no forward configuration ran; the table uses the defaults", flush=True)
+    blocks = blocks or default_block_sizes(heads[2])
+    report["blocks"] = dataclasses.asdict(blocks)
+    print(f"\npallas block sizes for the table: {report['blocks']}", flush=True)
+    save()
+
+    print("\n" + table_header(ceiling, heads), flush=True)
+    table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, report["table"],
+          report["cudnn_skipped"])
+    save()
+    failed = [r["label"] for r in report["table"] if r["impl"] == "pallas" and r["error"]]
+    if failed:
+        print(f"\npallas failed on: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,72 @@
+"""benchmarks/bench_attention.py end to end off GPU (a subprocess, as its absl flags are global): --smoke runs the
+block-size sweep and the table at toy sizes with the kernels interpreted; the TFLOP/s it reports are checked
+against the causal FLOP count computed here and its ceiling against the table header."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def causal_pairs(t, window):
+    """Visible (query, key) pairs of a causal mask, counted as the benchmark's convention: T^2/2, or T*W - W^2/2."""
+    return t * t / 2 if window is None else t * min(window, t) - min(window, t) ** 2 / 2
+
+
+@pytest.mark.slow  # 23-31 s on 2 cores: ~20 interpreted kernel compiles
+def test_smoke_run_prints_the_ceiling_and_writes_every_row(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--smoke", f"--json_out={out}"],
+                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ceiling = report["matmul_ceiling_tflops"]
+    assert ceiling > 0
+    assert report["env"]["jax"] and report["env"]["device"]
+
+    header = re.search(r"bf16 matmul ceiling measured in this run: ([0-9.e+-]+) TFLOP/s", proc.stdout)
+    assert header, proc.stdout[-2000:]
+    assert float(header.group(1)) == pytest.approx(ceiling, rel=1e-3)  # printed to 4 significant digits
+    columns = proc.stdout[header.end():].splitlines()[1]  # the column names under the header line
+    assert columns.count("of ceil") == 2, columns
+
+    shape = report["shape"]
+    n, h = shape["heads"], shape["head_dim"]
+
+    # The sweep: every forward and backward configuration ran; FLOPs of the backward alone are 2.5x the forward's.
+    tune_flop = 4 * shape["tune_batch"] * n * causal_pairs(shape["tune_seq"], None) * h
+    assert [r["kind"] for r in report["tuning"]] == ["fwd"] * 2 + ["bwd"] * 2  # --smoke: two of each
+    for r in report["tuning"]:
+        assert r["error"] is None and r["ms"] > 0
+        mult = 1.0 if r["kind"] == "fwd" else 2.5
+        assert r["tflops"] == pytest.approx(mult * tune_flop / (r["ms"] * 1e-3) / 1e12, rel=1e-9)
+        assert r["of_ceiling"] == pytest.approx(r["tflops"] / ceiling, rel=1e-9)
+    assert set(report["blocks"]) >= {"block_q", "block_k", "block_q_dq", "block_k_dkv"}
+
+    # The table: pallas and xla at each seq (cudnn skipped off GPU, saying why), packed and window rows at the
+    # largest; xla's forward + backward skipped above the smoke threshold (64).
+    rows = report["table"]
+    assert [(r["label"], r["seq"]) for r in rows] == [
+        ("pallas", 64), ("xla", 64), ("pallas", 128), ("xla", 128), ("pallas packed (4 docs/row)", 128),
+        ("pallas window=64", 128), ("xla window=64", 128)]
+    assert len(report["cudnn_skipped"]) == 3 and all("GPU" in s["reason"] for s in report["cudnn_skipped"])
+    assert proc.stdout.count("| cudnn") == 3 and "skipped: cudnn needs a GPU" in proc.stdout
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["batch"] == max(1, shape["tokens"] // r["seq"])
+        flop = 4 * r["batch"] * n * causal_pairs(r["seq"], r["window"]) * h
+        modes = [("fwd_", 1.0)] + ([] if r["fwd_bwd_skipped"] else [("fwd_bwd_", 3.5)])
+        assert r["fwd_bwd_skipped"] == (r["impl"] == "xla" and r["seq"] > 64)
+        if r["fwd_bwd_skipped"]:
+            assert "fwd_bwd_ms" not in r
+        for prefix, mult in modes:
+            assert r[f"{prefix}ms"] > 0
+            assert r[f"{prefix}tflops"] == pytest.approx(mult * flop / (r[f"{prefix}ms"] * 1e-3) / 1e12, rel=1e-9)
+            assert r[f"{prefix}of_ceiling"] == pytest.approx(r[f"{prefix}tflops"] / ceiling, rel=1e-9)
