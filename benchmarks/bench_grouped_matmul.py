@@ -3,8 +3,8 @@ GEMM of equal FLOPs ([G * rows, K] . [K, N] with jnp.dot: the ceiling), measured
 forward + backward, for balanced, skewed (one group holds half the rows) and empty-group (first, every fourth and
 last group empty) distributions of the rows. One table (TFLOP/s and fraction of the dense GEMM) and JSON.
 
-    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --check --json_out=gmm.json
-    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --nomain --tilings=128x128x64w4s4,128x256x64w8s3
+    python -m benchmarks.bench_grouped_matmul --check --json_out=gmm.json
+    python -m benchmarks.bench_grouped_matmul --nomain --tilings=128x128x64w4s4,128x256x64w8s3
 
 --tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
@@ -18,19 +18,16 @@ one), and the dense FP8 ceiling (e4m3 operands straight into dot_general: cuBLAS
 mjax.kernels.quant.fp8.fp8_matmul); --tilings then sweeps the FP8 kernels and --check compares "pallas fp8" with the
 float32 dequantize + ragged_dot reference of the same quantization:
 
-    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py --fp8 --noragged_dot --check --json_out=gmm_fp8.json
+    python -m benchmarks.bench_grouped_matmul --fp8 --noragged_dot --check --json_out=gmm_fp8.json
 """
 
 import functools
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from mjax.xla_flags import apply_defaults  # noqa: E402
+from mjax.xla_flags import apply_defaults
 
 apply_defaults()
 
@@ -38,13 +35,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import fp8_grouped_cases as fp8_cases  # noqa: E402  (beside this script)
+from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling)
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
 from mjax.kernels.grouped_matmul.tiling import kernel_tile_problem  # noqa: E402
-from mjax.train.benchmark import time_fn  # noqa: E402
+from benchmarks.harness import time_fn  # noqa: E402
 
 SHAPES = "8x4096x768x2048,16x2048x768x2048,128x512x768x2048,8x4096x14336x4096"
 flags.DEFINE_string("shapes", SHAPES, "GROUPSxROWSxNxK, comma-separated.")

@@ -1,4 +1,4 @@
-"""Shared helpers of the conversion tests: the HF fixtures (made by scripts/make_hf_fixtures.py) and a loss."""
+"""Shared helpers of the conversion tests: the HF fixtures (made by tools/make_hf_fixtures.py) and a loss."""
 
 from pathlib import Path
 

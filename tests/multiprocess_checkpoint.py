@@ -40,7 +40,7 @@ def main(process_id: int, port: int, directory: str, out: str):
 
     Checkpointer.after_step = preempt_process_0
     resumed = train(cfg.replace(train=dict(train_iters=100), parallel=dict(fsdp=2),
-                                checkpoint=dict(save=second, load=first, load_step=2)))
+                                checkpoint=dict(save=second, load=first, ckpt_step=2)))
     with open(out, "w") as f:
         json.dump({"save": [r["loss"] for r in saved.history], "resume": [r["loss"] for r in resumed.history],
                    "stopped_at": resumed.stopped_at}, f)

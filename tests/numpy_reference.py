@@ -68,8 +68,8 @@ def _forward_one(p, toks, cfg, seg):
     if cfg.position_embedding_type == "learned":
         x = x + p["pos_embed"][pos]
     allowed = np.tril(np.ones((t, t), bool))
-    if cfg.sliding_window:
-        allowed &= (pos[:, None] - pos[None, :]) < cfg.sliding_window
+    if cfg.window_size:
+        allowed &= (pos[:, None] - pos[None, :]) < cfg.window_size
     if seg is not None:
         allowed &= seg[:, None] == seg[None, :]
     inv = _inv_freq(cfg)

@@ -12,8 +12,7 @@ import pytest
 from mjax.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import benchmark  # noqa: E402
+from benchmarks import benchmark
 
 
 def test_sweep_grid_and_field_names():
@@ -29,7 +28,7 @@ def test_sweep_grid_and_field_names():
 def test_sweep_tuple_fields_and_xla_options():
     cfg, options = benchmark.apply_case(load_config("tiny"), {
         "remat_save_names": "mlp_up+mlp_out", "xla": "xla_gpu_enable_triton_gemm:false+xla_dump_max_hlo_modules:3"})
-    assert cfg.model.remat_save_names == ("mlp_up", "mlp_out")
+    assert cfg.execution.remat_save_names == ("mlp_up", "mlp_out")
     assert options == {"xla_gpu_enable_triton_gemm": False, "xla_dump_max_hlo_modules": 3}
     assert benchmark.apply_case(load_config("tiny"), {"xla": "default"})[1] is None
     with pytest.raises(ConfigError, match="not name:value"):
@@ -38,10 +37,10 @@ def test_sweep_tuple_fields_and_xla_options():
 
 def test_benchmark_script_prints_a_table_and_json(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--config=tiny", "--model.num_layers=2",
+        [sys.executable, "-m", "benchmarks.benchmark", "--config=tiny", "--model.num_layers=2",
          "--steps=2", "--sweep=remat_policy=none,full", "--baseline", f"--json_out={tmp_path / 'b.json'}"],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True,
-        timeout=300)
+        timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "matmul ceiling measured in this run" in out.stdout
     assert "remat_policy=none" in out.stdout and "remat_policy=full" in out.stdout

@@ -98,7 +98,7 @@ def test_resume_is_bitwise_exact_with_the_real_data_loader(interrupted, tmp_path
 def test_restore_reshards_onto_another_layout(interrupted, layout):
     devices = jax.devices()[:1] if layout == "one device" else None
     parallel = dict(tp=1, fsdp=1) if layout == "one device" else layout
-    cfg = corpus_config(parallel=parallel, checkpoint=dict(load=interrupted["dir"], load_step=3))
+    cfg = corpus_config(parallel=parallel, checkpoint=dict(load=interrupted["dir"], ckpt_step=3))
     setup = build(cfg, devices)
     state, consumed = checkpointer(setup).restore_or_init()
     assert consumed == 3 * cfg.train.global_batch_size
@@ -140,7 +140,7 @@ def test_load_of_a_directory_without_checkpoints_says_so(interrupted, tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         _restore(str(tmp_path / "missing"))
     with pytest.raises(CheckpointError, match=r"--ckpt_step=7: .* holds steps \[3"):
-        _restore(interrupted["dir"], checkpoint=dict(load_step=7))
+        _restore(interrupted["dir"], checkpoint=dict(ckpt_step=7))
 
 
 def test_a_runs_own_steps_win_over_load_and_ckpt_step(interrupted, tmp_path):
@@ -148,10 +148,10 @@ def test_a_runs_own_steps_win_over_load_and_ckpt_step(interrupted, tmp_path):
     with --load equal to --save does --ckpt_step pick among the run's own steps."""
     own = tmp_path / "own"
     shutil.copytree(interrupted["dir"], own)
-    state, _ = _restore(str(tmp_path / "elsewhere"), checkpoint=dict(save=str(own), load_step=7))
+    state, _ = _restore(str(tmp_path / "elsewhere"), checkpoint=dict(save=str(own), ckpt_step=7))
     assert int(state.step) == 3
     with pytest.raises(CheckpointError, match=r"--ckpt_step=7: .* holds steps \[3"):
-        _restore(str(own), checkpoint=dict(save=str(own), load_step=7))
+        _restore(str(own), checkpoint=dict(save=str(own), ckpt_step=7))
 
 
 @pytest.mark.parametrize("source", ["training checkpoint", "converted checkpoint"])

@@ -41,15 +41,16 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(optimizer=dict(min_lr=1.0)), 1, "min_lr <= --lr"),
     (dict(precision=dict(compute_dtype="float8")), 1, "compute_dtype"),
     (dict(model=dict(position_embedding_type="learned", max_position_embeddings=64)), 1, "exceeds"),
-    (dict(model=dict(remat_policy="selective", remat_save_names=("qkv_proj", "bogus"))), 1, "bogus"),
+    (dict(execution=dict(remat_policy="selective", remat_save_names=("qkv_proj", "bogus"))), 1, "bogus"),
     (dict(parallel=dict(tp=2, sequence_parallel=True), train=dict(seq_length=127)), 2, "sequence_parallel"),
     (dict(parallel=dict(ep=2)), 2, "--ep=2: expert parallelism is not implemented yet"),
-    (dict(model=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
-    (dict(model=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
-    (dict(model=dict(cross_entropy_impl="fused"), precision=dict(fp4_recipe="nvfp4", quantize_output_layer=True)), 1,
+    (dict(execution=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
+    (dict(execution=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
+    (dict(execution=dict(cross_entropy_impl="fused"), precision=dict(fp4_recipe="nvfp4", quantize_output_layer=True)),
+     1,
      "--cross_entropy_impl=reference"),
     (dict(precision=dict(fp8_recipe="bogus"), parallel=dict(pp=2)), 2, "--fp8_recipe='bogus' is not one of"),
-    (dict(checkpoint=dict(load_step=3)), 1, "--ckpt_step says what to read from --load"),
+    (dict(checkpoint=dict(ckpt_step=3)), 1, "--ckpt_step says what to read from --load"),
     (dict(checkpoint=dict(load_params_only=True)), 1, "--load_params_only says"),
 ])
 def test_validation_errors_name_the_flag(overrides, devices, message):
@@ -62,7 +63,7 @@ def test_kv_heads_fewer_than_tp_are_allowed_when_they_divide_it():
 
 
 def test_dict_round_trip_and_unknown_fields():
-    cfg = TINY.replace(model=dict(remat_save_names=("norm",)))
+    cfg = TINY.replace(execution=dict(remat_save_names=("norm",)))
     assert from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ConfigError, match="unknown field model.layers"):
         TINY.replace(model=dict(layers=3))
@@ -80,12 +81,12 @@ def _parse(argv):
 
 def test_flags_override_fields_with_dotted_names_and_aliases(tmp_path):
     cfg = _parse(["--config=tiny", "--model.num_layers=3", "--train_iters=7", "--lr=0.01", "--fp16",
-                  "--data_path=0.3 a 0.7 b", "--model.num_query_groups=none", "--model.scan_layers=false",
+                  "--data_path=0.3 a 0.7 b", "--model.num_query_groups=none", "--execution.scan_layers=false",
                   "--mock_data", "--train_iters=7"])
     assert cfg.model.num_layers == 3 and cfg.train.train_iters == 7 and cfg.optimizer.lr == 0.01
     assert cfg.precision.compute_dtype == "float16"
     assert cfg.data.data_path == ("0.3", "a", "0.7", "b")
-    assert cfg.model.num_query_groups is None and cfg.model.scan_layers is False and cfg.data.mock_data is True
+    assert cfg.model.num_query_groups is None and cfg.execution.scan_layers is False and cfg.data.mock_data is True
     assert _parse(["--nosequence_parallel"]).parallel.sequence_parallel is False
     path = tmp_path / "c.json"
     path.write_text(json.dumps(Config().replace(train=dict(seed=5)).to_dict()))

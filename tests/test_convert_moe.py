@@ -143,7 +143,7 @@ def test_mixtral_sliding_window_matches_the_numpy_reference(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     ref = reference("mixtral")
     model, mcfg = mjax.load_pretrained(d)
-    assert mcfg.model.sliding_window == 8
+    assert mcfg.model.window_size == 8
     want = forward_hf(read_safetensors(d), cfg, ref["tokens"])
     logits = np.asarray(model(ref["tokens"]))
     np.testing.assert_allclose(logits, want, atol=LOGITS_ATOL, rtol=0)

@@ -110,7 +110,7 @@ def test_restore_adapts_vocab_padding_and_shards(converted):
 
 
 @pytest.mark.parametrize("name, change", [
-    ("mistral_swa", {"sliding_window": None}),
+    ("mistral_swa", {"window_size": None}),
     ("llama3_gqa", {"rope_scaling": "none"}),
     ("qwen2_tied", {"add_qkv_bias": False}),
 ])

@@ -63,7 +63,7 @@ def test_pallas_fused_kernel_matches_reference(recipe):
 def test_round_trip_is_not_folded_away():
     """On GPU XLA folds f32 -> e2m1 -> f32 into a no-op unless an optimization barrier holds it (DESIGN.md; the CPU
     pipeline does not fold, so here we check that the barrier and the casts reach the compiled HLO, and
-    scripts/bench_fp8.py shows the fold on the GPU)."""
+    benchmarks/bench_fp8.py shows the fold on the GPU)."""
     x = jnp.asarray(_data())
     kept = jax.jit(lambda x: fp4.fake_quant_reference(x, "nvfp4")).lower(x).compile().as_text()
     assert "f4e2m1fn" in kept and "optimization_barrier" in kept

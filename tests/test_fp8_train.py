@@ -31,15 +31,15 @@ RECIPES = {"bf16": {}, "delayed": dict(fp8_recipe="delayed", fp8_amax_history_le
            "tensorwise": dict(fp8_recipe="tensorwise"), "blockwise": dict(fp8_recipe="blockwise"),
            "nvfp4": dict(fp4_recipe="nvfp4"), "nvfp4_stochastic": dict(fp4_recipe="nvfp4", fp4_stochastic_rounding=True),
            "mxfp4": dict(fp4_recipe="mxfp4", fp4_hadamard=True),
-           # the output layer in FP8 too, through the fused loss (model options under "model")
+           # the output layer in FP8 too, through the fused loss
            "tensorwise_fp8_head": dict(fp8_recipe="tensorwise", quantize_output_layer=True,
-                                       model=dict(cross_entropy_impl="fused"))}
+                                       execution=dict(cross_entropy_impl="fused"))}
 
 
-def _cfg(model=None, **precision):
+def _cfg(model=None, execution=None, **precision):
     return tiny_config(model=dict(hidden_size=128, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=256,
                                   **(model or {})),
-                       precision={"compute_dtype": "bfloat16", **precision},
+                       precision={"compute_dtype": "bfloat16", **precision}, execution=execution or {},
                        train=dict(global_batch_size=8, seq_length=32, train_iters=STEPS),
                        optimizer=dict(lr=5e-3))
 
@@ -58,9 +58,11 @@ def test_config_errors(precision, match):
 
 
 def test_blockwise_config_names_the_sizes():
-    cfg = _cfg(fp8_recipe="blockwise").replace(model=dict(ffn_hidden_size=192), train=dict(seq_length=24))
-    with pytest.raises(ConfigError, match=r"--ffn_hidden_size=192.*tokens per micro-batch.*=192"):
-        validate_layout(cfg, 1)
+    cfg = _cfg(fp8_recipe="blockwise")
+    with pytest.raises(ConfigError, match=r"multiples of 128: --ffn_hidden_size=192; "):
+        validate_layout(cfg.replace(model=dict(ffn_hidden_size=192)), 1)
+    with pytest.raises(ConfigError, match=r"tokens per micro-batch\)=\d+; "):
+        validate_layout(cfg.replace(train=dict(seq_length=24)), 1)
     head = _cfg(fp8_recipe="blockwise", quantize_output_layer=True).replace(model=dict(vocab_size=150))
     with pytest.raises(ConfigError, match=r"the padded vocab.*=192"):
         validate_layout(head.replace(model=dict(make_vocab_size_divisible_by=64)), 1)
@@ -99,7 +101,7 @@ def test_quantize_output_layer_runs_the_head_in_fp8_tied_or_not(untied):
 
 def test_layer_amaxes_stack_per_layer_and_bf16_layers_observe_nothing():
     cfg = _cfg(fp8_recipe="tensorwise", first_last_layers_bf16=True).replace(model=dict(num_layers=3))
-    model = build_model(cfg.model, cfg.precision)
+    model = build_model(cfg.model, cfg.precision, cfg.execution)
     params, scales = model.init(jax.random.key(0)), model.init_fp8()
     assert scales["layers"]["mlp"]["up_proj"]["fp8_meta"].shape == (3, 3)
     assert "lm_head" not in scales  # the output layer stays in bf16 unless --quantize_output_layer
@@ -122,7 +124,7 @@ def runs():
     out, params = {}, None
     for name, precision in RECIPES.items():
         cfg = _cfg(**precision)
-        model = build_model(cfg.model, cfg.precision)
+        model = build_model(cfg.model, cfg.precision, cfg.execution)
         params = model.init(jax.random.key(0)) if params is None else params  # quantization adds no parameters
         schedule = lr_schedule(cfg.optimizer, STEPS)
         tx = make_optimizer(cfg.optimizer, schedule)
@@ -158,17 +160,17 @@ def test_delayed_state_updates_each_step(runs):
 
 
 def test_fp8_state_survives_checkpoint(runs, tmp_path):
-    from mjax.checkpoint import Checkpointer
+    from mjax.train.loop import checkpointer
     from mjax.train.loop import build
 
     cfg, _, state, _, _ = runs["delayed"]
     cfg = cfg.replace(checkpoint=dict(save=str(tmp_path), async_save=False))
     setup = build(cfg, jax.devices()[:1])
-    saver = Checkpointer(cfg, setup)
+    saver = checkpointer(setup)
     saver.save(STEPS, state, STEPS * cfg.train.global_batch_size)
     saver.close()
-    restored, consumed = Checkpointer(cfg.replace(checkpoint=dict(save=None, load=str(tmp_path))),
-                                      setup).restore_or_init()
+    load = cfg.replace(checkpoint=dict(save=None, load=str(tmp_path)))
+    restored, consumed = checkpointer(setup, load).restore_or_init()
     assert consumed == STEPS * cfg.train.global_batch_size and int(restored.step) == STEPS
     for a, b in zip(jax.tree.leaves(state.fp8), jax.tree.leaves(restored.fp8), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -199,7 +201,7 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
     for key, names, keep in (("attn_out", ("attn_out",), False), ("fp8_cast", ("attn_out", "fp8_cast"), False),
                              ("default", ("attn_out",), True)):
         cfg = _cfg(fp8_recipe="tensorwise", fp8_keep_casts=keep).replace(
-            model=dict(remat_policy="selective", remat_save_names=names, num_layers=2, scan_layers=False))
+            model=dict(num_layers=2), execution=dict(remat_policy="selective", remat_save_names=names, scan_layers=False))
         setup = build(cfg, jax.devices()[:1])
         state = setup.init_state(0)
         placed = setup.place_batch(batch)
@@ -269,7 +271,7 @@ def test_quantized_head_through_the_fused_loss_trains_like_the_reference_loss():
     fused loss sits inside (loss <= 1.9e-5, grad norm <= 2.5e-3, gradients <= 5.2e-2). Tolerances: 4.5-8x."""
     def cfg(impl):
         return _cfg(fp8_recipe="delayed", quantize_output_layer=True).replace(
-            model=dict(cross_entropy_impl=impl, cross_entropy_chunk=8), train=dict(train_iters=5))
+            execution=dict(cross_entropy_impl=impl, cross_entropy_chunk=8), train=dict(train_iters=5))
 
     steps = lockstep(cfg("reference"), cfg("fused"), jax.devices()[:1], own_fp8=True)
     assert_steps_close(steps, loss=2e-3, grad_norm=3e-2, grad=0.25)

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mjax.config import ModelConfig
+from mjax.config import ExecutionConfig, ModelConfig
 from mjax.model import build_model
+from mjax.parallel.remat import LayerRunner
 from tests import numpy_reference
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=200,
@@ -19,7 +20,7 @@ FAMILIES = {
                           rope_original_max_positions=64, rotary_base=500000.0),
     "mqa": ModelConfig(**BASE, num_query_groups=1, untie_embeddings_and_output_weights=False),
     "qwen2": ModelConfig(**BASE, num_query_groups=2, add_qkv_bias=True, norm_epsilon=1e-6, rotary_base=1e6),
-    "mistral": ModelConfig(**BASE, num_query_groups=2, sliding_window=3),
+    "mistral": ModelConfig(**BASE, num_query_groups=2, window_size=3),
 }
 
 
@@ -107,7 +108,8 @@ def test_scan_and_unrolled_layers_agree_and_unrolled_gradients_are_concatenated(
     cfg = FAMILIES["llama3"]
     params = build_model(cfg).init(jax.random.key(0))
     tokens = np.arange(8)[None]
-    models = build_model(cfg), build_model(dataclasses.replace(cfg, scan_layers=False))
+    unrolled = ExecutionConfig(scan_layers=False)
+    models = build_model(cfg), build_model(cfg, execution=unrolled, runner=LayerRunner(unrolled))
     a, b = (m.apply(params, tokens) for m in models)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(p, tokens) ** 2))(params) for m in models]

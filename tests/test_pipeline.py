@@ -215,7 +215,7 @@ def test_pipeline_config_errors(parallel, sections, message):
 
 def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_device):
     """The chunked output layer + loss runs inside the 1f1b stage's shard_map (its scan carry varies over pipeline)."""
-    cfg = _config(dict(pp=2, fsdp=2, tp=2), 2).replace(model=dict(cross_entropy_impl="fused", cross_entropy_chunk=8))
+    cfg = _config(dict(pp=2, fsdp=2, tp=2), 2).replace(execution=dict(cross_entropy_impl="fused", cross_entropy_chunk=8))
     losses, state, _ = _train(cfg)
     _assert_same(losses, state.params, *single_device[:2])
 
@@ -223,7 +223,7 @@ def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_devi
 def test_pallas_attention_inside_pipeline_stages_matches_single_device(single_device):
     """The per-shard Pallas flash kernel (its own shard_map, nested in each stage's) trains like the reference
     attention: fp32 on GPU takes this path, as does anything with segment ids."""
-    cfg = _config(dict(pp=2, tp=2), 2).replace(model=dict(attention_impl="pallas"))
+    cfg = _config(dict(pp=2, tp=2), 2).replace(execution=dict(attention_impl="pallas"))
     losses, state, _ = _train(cfg)
     np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(single_device[1]))):

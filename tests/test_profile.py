@@ -3,9 +3,9 @@
 import jax
 import pytest
 
-from mjax.train.benchmark import synthetic_batch
+from benchmarks.harness import synthetic_batch
 from mjax.train.loop import build
-from mjax.train.profile import kernel_kind, op_scopes, profile_step
+from benchmarks.profile import kernel_kind, op_scopes, profile_step
 from tests.train_utils import tiny_config
 
 
@@ -61,7 +61,7 @@ def test_xla_options_reach_the_compiler(compiled_step):
 
 
 def test_exposed_time_counts_only_what_compute_does_not_cover():
-    from mjax.train.profile import _exposed_ns
+    from benchmarks.profile import _exposed_ns
 
     compute = [(0, 10), (5, 20), (30, 40)]
     assert _exposed_ns([(15, 35)], compute) == 10  # 20..30 uncovered
@@ -70,7 +70,7 @@ def test_exposed_time_counts_only_what_compute_does_not_cover():
 
 
 def test_command_buffer_kernels_are_found_by_their_fusion_name():
-    from mjax.train.profile import _hlo_name
+    from benchmarks.profile import _hlo_name
 
     scopes = {"loop_add_fusion.3": ("fusion", "jit(step)/mlp/add"), "custom-call.2": ("custom-call", "")}
     assert _hlo_name("loop_add_fusion_3", "command_buffer_1", scopes) == "loop_add_fusion.3"

@@ -1,4 +1,4 @@
-"""The fused QKV gradient kernel (--model.qkv_grad_impl=pallas): against a float64 NumPy oracle of RoPE's backward,
+"""The fused QKV gradient kernel (--qkv_grad_impl=pallas): against a float64 NumPy oracle of RoPE's backward,
 against autodiff of the split it replaces, per shard under a mesh, through Triton for an H200, and in training."""
 
 import jax
@@ -9,8 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mjax.parallel.layout import validate_layout
-from mjax.kernels.qkv_rope_grad import qkv_rope_grad, qkv_rope_grad_local
-from mjax.model.rope import rope_cos_sin, split_qkv, split_rotate
+from mjax.kernels.qkv_rope_grad.pallas import qkv_rope_grad, qkv_rope_grad_local
+from mjax.kernels.qkv_rope_grad import split_qkv, split_rotate
+from mjax.model.rope import rope_cos_sin
 from tests.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -100,8 +101,8 @@ def test_training_with_the_kernel_matches_autodiff_under_tp_sp():
     from tests.train_utils import tiny_config  # noqa: PLC0415
 
     def cfg(impl):
-        return tiny_config(model=dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
-                                      qkv_grad_impl=impl),
+        return tiny_config(model=dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256),
+                           execution=dict(qkv_grad_impl=impl),
                            precision={"compute_dtype": "bfloat16"}, parallel=dict(tp=2, sequence_parallel=True),
                            train=dict(global_batch_size=8, seq_length=64, train_iters=3))
 
@@ -110,16 +111,18 @@ def test_training_with_the_kernel_matches_autodiff_under_tp_sp():
 
 @pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
 def test_attention_backward_runs_the_chosen_assembly(impl):
-    """--model.qkv_grad_impl picks the kernel in the attention layer's backward (and only there); auto on this CPU
+    """--qkv_grad_impl picks the kernel in the attention layer's backward (and only there); auto on this CPU
     takes autodiff's assembly."""
     from flax import nnx  # noqa: PLC0415
 
     from mjax.config import load_config  # noqa: PLC0415
     from mjax.model.attention import Attention  # noqa: PLC0415
 
-    cfg = load_config("tiny").replace(model=dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                                 qkv_grad_impl=impl)).model
-    attn = Attention(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    from mjax.config import ExecutionConfig  # noqa: PLC0415
+
+    cfg = load_config("tiny").replace(model=dict(hidden_size=64, num_attention_heads=4, num_query_groups=2)).model
+    attn = Attention(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, execution=ExecutionConfig(qkv_grad_impl=impl),
+                     rngs=nnx.Rngs(0))
     x, pos = jnp.ones((2, 16, 64), jnp.bfloat16), jnp.broadcast_to(jnp.arange(16), (2, 16))
     fwd = jax.jit(lambda x: sum(jnp.sum(t.astype(jnp.float32)) for t in attn.project_qkv(x, pos)))
     assert "mjax_qkv_rope_grad" not in str(jax.make_jaxpr(fwd)(x))
@@ -129,8 +132,8 @@ def test_attention_backward_runs_the_chosen_assembly(impl):
 def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
     from mjax.config import ConfigError, load_config  # noqa: PLC0415
 
-    cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", kv_channels=96))
-    with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs half the head dim"):
+    cfg = load_config("tiny").replace(model=dict(kv_channels=96), execution=dict(qkv_grad_impl="pallas"))
+    with pytest.raises(ConfigError, match="--qkv_grad_impl=pallas needs half the head dim"):
         validate_layout(cfg, 1)
     validate_layout(cfg.replace(model=dict(kv_channels=128)), 1)
 
@@ -138,20 +141,21 @@ def test_head_dim_the_kernel_cannot_tile_is_a_config_error():
 @pytest.mark.parametrize("change", [dict(model=dict(position_embedding_type="learned")),
                                     dict(parallel=dict(tp=4))])  # tiny has 2 KV heads: replicated over tp=4
 def test_pallas_where_the_layer_would_not_run_the_kernel_is_a_config_error(change):
-    """An explicit --model.qkv_grad_impl=pallas never silently takes autodiff's path: without RoPE, or with KV
+    """An explicit --qkv_grad_impl=pallas never silently takes autodiff's path: without RoPE, or with KV
     heads replicated over tp (separate projections), it is refused; auto takes xla there."""
     from mjax.config import ConfigError, load_config  # noqa: PLC0415
 
-    cfg = load_config("tiny").replace(model=dict(qkv_grad_impl="pallas", num_attention_heads=4, num_query_groups=2))
+    cfg = load_config("tiny").replace(model=dict(num_attention_heads=4, num_query_groups=2),
+                                      execution=dict(qkv_grad_impl="pallas"))
     validate_layout(cfg, 8)
     bad = cfg.replace(**change)
-    with pytest.raises(ConfigError, match="--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection"):
+    with pytest.raises(ConfigError, match="--qkv_grad_impl=pallas needs RoPE and the fused QKV projection"):
         validate_layout(bad, 8)
-    validate_layout(bad.replace(model=dict(qkv_grad_impl="auto")), 8)
+    validate_layout(bad.replace(execution=dict(qkv_grad_impl="auto")), 8)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_when_it_tiles_the_head_dim(monkeypatch):
-    from mjax.model import rope  # noqa: PLC0415
+    from mjax.kernels import qkv_rope_grad as rope  # noqa: PLC0415
 
     monkeypatch.setattr(rope.jax, "default_backend", lambda: "gpu")
     assert rope.use_qkv_grad_kernel("auto", 128) and rope.use_qkv_grad_kernel("auto", 64)

@@ -43,7 +43,7 @@ def test_config_errors_exit_2_with_the_flag_named():
 
 def test_layout_check_script_matches_one_device_on_every_layout(tmp_path):
     env = {**ENV, "JAX_NUM_CPU_DEVICES": "2"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_layouts.py"), "--steps=2",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.check_layouts", "--steps=2",
                           f"--json_out={tmp_path / 'l.json'}"], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -53,7 +53,7 @@ def test_layout_check_script_matches_one_device_on_every_layout(tmp_path):
 
 
 def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_qkv_grad.py"), "--smoke",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_qkv_grad", "--smoke",
                           f"--out={tmp_path / 'q.json'}"], env=ENV, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -64,7 +64,7 @@ def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
 
 def test_convergence_script_trains_each_recipe_from_the_same_start(tmp_path):
     run = lambda *f: subprocess.run(  # noqa: E731
-        [sys.executable, str(ROOT / "scripts" / "convergence.py"), "--config=tiny", "--model.num_layers=1",
+        [sys.executable, "-m", "benchmarks.convergence", "--config=tiny", "--model.num_layers=1",
          "--train_iters=4", "--window=2", "--bf16", "--global_batch_size=8", "--seq_length=64", *f],
         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = run("--recipes=bf16,tensorwise,nvfp4,bf16_seed", "--eval_interval=4", "--eval_iters=1",
@@ -88,12 +88,12 @@ def test_source_corpus_writes_each_utf8_file_once_in_path_order(tmp_path):
     (src / "pkg" / "a.py").write_text("x = 1\n")
     (src / "pkg" / "bad.py").write_bytes(b"\xff\xfe not utf-8")
     (src / "notes.txt").write_text("not a .py file")
-    script = str(ROOT / "scripts" / "source_corpus.py")
-    out = subprocess.run([sys.executable, script, f"--roots={src},{src / 'pkg'}", f"--out={tmp_path / 'c.jsonl'}"],
+    script = ["-m", "tools.source_corpus"]
+    out = subprocess.run([sys.executable, *script, f"--roots={src},{src / 'pkg'}", f"--out={tmp_path / 'c.jsonl'}"],
                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     docs = [json.loads(line)["text"] for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert docs == ["print('b')\n", "x = 1\n"]  # sorted paths, the nested root not twice, bad bytes skipped
-    bad = subprocess.run([sys.executable, script, f"--roots={tmp_path / 'nope'}", f"--out={tmp_path / 'd.jsonl'}"],
+    bad = subprocess.run([sys.executable, *script, f"--roots={tmp_path / 'nope'}", f"--out={tmp_path / 'd.jsonl'}"],
                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--roots: not a directory" in bad.stderr

@@ -69,7 +69,7 @@ def test_gradient_accumulation_equals_the_large_batch_step():
 def test_remat_policies_give_identical_loss_and_grads(policy):
     batch = next(pattern_batches(tiny_config()))
     ref, m_ref = _one_step(tiny_config(), batch)
-    got, m_got = _one_step(tiny_config(model=dict(remat_policy=policy)), batch)
+    got, m_got = _one_step(tiny_config(execution=dict(remat_policy=policy)), batch)
     np.testing.assert_allclose(m_ref["loss"], m_got["loss"], rtol=1e-6)
     np.testing.assert_allclose(m_ref["grad_norm"], m_got["grad_norm"], rtol=1e-5)
     _assert_trees_close(ref, got, rtol=1e-5, atol=1e-7)
@@ -77,8 +77,8 @@ def test_remat_policies_give_identical_loss_and_grads(policy):
 
 def _saved_per_layer(policy, names=("attn_out",), attention_impl="auto"):
     """Residuals the backward pass keeps for the scanned layers (stacked, leading dim = num_layers)."""
-    cfg = tiny_config(model=dict(remat_policy=policy, remat_save_names=names, num_layers=3,
-                                 attention_impl=attention_impl))
+    cfg = tiny_config(model=dict(num_layers=3),
+                      execution=dict(remat_policy=policy, remat_save_names=names, attention_impl=attention_impl))
     setup = build(cfg, jax.devices()[:1])
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), setup.model.abstract_params())
     tokens = jnp.zeros((2, 32), jnp.int32)
@@ -149,7 +149,7 @@ def test_fused_cross_entropy_gives_the_reference_loss_and_grads(tied):
     batch = next(pattern_batches(tiny_config(model=model)))
     batch["loss_mask"][:, ::3] = 0.0
     ref, m_ref = _one_step(tiny_config(model=model, train=dict(z_loss_coeff=1e-3)), batch)
-    got, m_got = _one_step(tiny_config(model=dict(cross_entropy_impl="fused", cross_entropy_chunk=12, **model),
+    got, m_got = _one_step(tiny_config(model=model, execution=dict(cross_entropy_impl="fused", cross_entropy_chunk=12),
                                        train=dict(z_loss_coeff=1e-3)), batch)
     np.testing.assert_allclose(m_got["loss"], m_ref["loss"], rtol=1e-6)
     np.testing.assert_allclose(m_got["z_loss"], m_ref["z_loss"], rtol=1e-6)
@@ -158,7 +158,7 @@ def test_fused_cross_entropy_gives_the_reference_loss_and_grads(tied):
 
 def test_fused_cross_entropy_never_holds_the_whole_logits():
     def temp_bytes(impl):
-        cfg = tiny_config(model=dict(vocab_size=8192, cross_entropy_impl=impl, cross_entropy_chunk=32),
+        cfg = tiny_config(model=dict(vocab_size=8192), execution=dict(cross_entropy_impl=impl, cross_entropy_chunk=32),
                           train=dict(global_batch_size=16, seq_length=256))
         setup = build(cfg, jax.devices()[:1])
         state = setup.init_state(0)
@@ -173,7 +173,7 @@ def test_fused_cross_entropy_never_holds_the_whole_logits():
 def test_evaluation_follows_cross_entropy_impl():
     """The eval step takes the fused loss too: the same loss sums, without the whole logits."""
     def eval_run(impl):
-        cfg = tiny_config(model=dict(vocab_size=8192, cross_entropy_impl=impl, cross_entropy_chunk=32),
+        cfg = tiny_config(model=dict(vocab_size=8192), execution=dict(cross_entropy_impl=impl, cross_entropy_chunk=32),
                           train=dict(global_batch_size=16, seq_length=256))
         setup = build(cfg, jax.devices()[:1])
         params = setup.init_state(0).params
@@ -192,11 +192,13 @@ def test_attn_core_policy_keeps_the_cudnn_forward_only_when_named(monkeypatch):
     the forward kernel ran once per layer instead of twice). The policy looks for it on a GPU only."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
 
-    from mjax.model.transformer import remat_policy  # noqa: PLC0415
+    from mjax.parallel.remat import remat_policy  # noqa: PLC0415
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     prim = cudnn._dot_product_attention_fwd_p_wrapper
-    with_core = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_core",))).model)
-    without = remat_policy(tiny_config(model=dict(remat_policy="selective", remat_save_names=("attn_out",))).model)
+    with_core = remat_policy(tiny_config(execution=dict(remat_policy="selective",
+                                                        remat_save_names=("attn_core",))).execution)
+    without = remat_policy(tiny_config(execution=dict(remat_policy="selective",
+                                                      remat_save_names=("attn_out",))).execution)
     assert with_core(prim) and not without(prim)
     assert not with_core(jax.lax.exp_p)

@@ -1,4 +1,4 @@
-"""The model architecture: what a checkpoint's weights mean. Execution choices (kernels, remat) live elsewhere."""
+"""The model architecture: what a checkpoint's weights mean. How it runs (kernels, remat) is mjax.config.execution."""
 
 import dataclasses
 import math
@@ -40,30 +40,14 @@ class ModelConfig:
     add_bias_linear: bool = field(False, "add_bias_linear", "Biases on every linear layer (GPT-2).")
     add_qkv_bias: bool = field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
     untie_embeddings_and_output_weights: bool = field(True, "untie_embeddings_and_output_weights")
-    sliding_window: int | None = field(None, "window_size", "Sliding-window attention span (Mistral).")
+    window_size: int | None = field(None, "window_size", "Sliding-window attention: each query sees this many "
+                                    "positions up to its own (Mistral); None means full causal attention.")
     qk_layernorm: bool = field(False, "qk_layernorm", "Normalize queries and keys (--normalization) per head before "
                                "RoPE (Qwen3).")
     qk_layernorm_across_heads: bool = field(
         False, "qk_layernorm_across_heads", "With --qk_layernorm: one norm over all heads' features of Q and of K "
         "(OLMoE) instead of one per head.")
     init_method_std: float = field(0.02, "init_method_std")
-    attention_impl: str = field("auto", "attention_impl", "auto | xla | cudnn | pallas")
-    qkv_grad_impl: str = field(
-        "auto", "qkv_grad_impl", "auto | xla | pallas: how the backward assembles the fused QKV projection's "
-        "gradient from dQ, dK (rotated back) and dV: autodiff's concatenate, or one Pallas pass (kernels/"
-        "qkv_rope_grad.py; RoPE models with the fused projection). auto: pallas on a GPU when Triton can tile the "
-        "head dim, else xla.")
-    cross_entropy_impl: str = field(
-        "reference", "cross_entropy_impl",
-        "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks; no whole logits)")
-    cross_entropy_chunk: int = field(1024, "cross_entropy_chunk", "Sequence positions per chunk when fused.")
-    remat_policy: str = field("none", "remat_policy", "none | selective | full")
-    # Default: every matmul output and the attention kernel's results are kept, only elementwise work (norms,
-    # RoPE, SwiGLU product) is recomputed: the fastest selective set measured on an H200 (docs/performance.md).
-    remat_save_names: tuple[str, ...] = field(
-        ("qkv_proj", "attn_core", "attn_context", "attn_out", "mlp_up", "mlp_out"),
-        help="With remat_policy=selective: named activations kept; everything else is recomputed.")
-    scan_layers: bool = field(True, help="Run the layer stack with lax.scan (one compiled layer).")
     # Mixture of experts (Megatron's --moe-* names). num_experts=None: every layer has a dense MLP.
     num_experts: int | None = field(None, "num_experts", "Routed experts per MoE layer; None means a dense model.")
     moe_layer_freq: str = field(
@@ -104,8 +88,6 @@ class ModelConfig:
                                         "probs | position: over capacity, drop the lowest-weight or the latest tokens.")
     moe_pad_expert_input_to_capacity: bool = field(False, "moe_pad_expert_input_to_capacity",
                                                     "With a capacity factor: every expert computes exactly capacity rows.")
-    moe_grouped_gemm_impl: str = field("auto", "moe_grouped_gemm_impl",
-                                       "auto | pallas | xla: the expert GEMMs (auto: the Pallas kernel on a GPU).")
 
     @property
     def num_kv_heads(self) -> int:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from mjax.config.base import ConfigError, field
+from mjax.config.execution import ExecutionConfig
 from mjax.config.model import ModelConfig
 
 
@@ -130,7 +131,7 @@ class DataConfig:
 class CheckpointConfig:
     save: str | None = field(None, "save")
     load: str | None = field(None, "load")
-    load_step: int | None = field(None, "ckpt_step")
+    ckpt_step: int | None = field(None, "ckpt_step", "The step to read from --load (default: its latest).")
     save_interval: int = field(0, "save_interval")
     keep: int | None = field(None, "keep")
     async_save: bool = field(True, "async_save")
@@ -149,6 +150,7 @@ class LoggingConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -185,11 +187,21 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
+# Fields a saved config (a checkpoint's, a converted config.json) may hold under an earlier name or section.
+RENAMED = {("model", name): ("execution", name) for name in (
+    "attention_impl", "qkv_grad_impl", "cross_entropy_impl", "cross_entropy_chunk", "moe_grouped_gemm_impl",
+    "remat_policy", "remat_save_names", "scan_layers")} | {
+    ("model", "sliding_window"): ("model", "window_size"), ("checkpoint", "load_step"): ("checkpoint", "ckpt_step")}
+
+
 def from_dict(d: dict) -> Config:
-    """Inverse of `Config.to_dict`; lists become tuples; unknown keys are errors."""
+    """Inverse of `Config.to_dict`; lists become tuples; unknown keys are errors; fields saved under an earlier
+    name are read under today's (RENAMED)."""
     sections = {}
     for section, fields in d.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section {section!r}")
-        sections[section] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        for k, v in fields.items():
+            target, name = RENAMED.get((section, k), (section, k))
+            sections.setdefault(target, {})[name] = tuple(v) if isinstance(v, list) else v
     return Config().replace(**sections)

@@ -33,16 +33,6 @@ def validate_model(cfg: Config) -> None:
     choice(m.activation, ("swiglu", "gelu"), "model.activation")
     choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
-    choice(m.attention_impl, kernels.ATTENTION_IMPLS, "model.attention_impl")
-    choice(m.qkv_grad_impl, kernels.QKV_GRAD_IMPLS, "model.qkv_grad_impl")
-    if m.qkv_grad_impl == "pallas" and not kernels.qkv_kernel_tiles(m.head_dim):
-        raise ConfigError(f"--model.qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "
-                          f"(Triton's tile sizes), got head dim {m.head_dim}; use --model.qkv_grad_impl=xla")
-    choice(m.cross_entropy_impl, kernels.CROSS_ENTROPY_IMPLS, "cross_entropy_impl")
-    positive(m.cross_entropy_chunk, "cross_entropy_chunk")
-    choice(m.remat_policy, ("none", "selective", "full"), "model.remat_policy")
-    for name in m.remat_save_names:
-        choice(name, REMAT_NAMES, "model.remat_save_names")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"--model.hidden_size={m.hidden_size} is not divisible by --model.num_attention_heads="
@@ -53,8 +43,8 @@ def validate_model(cfg: Config) -> None:
             f"--model.num_query_groups={m.num_kv_heads}")
     if m.position_embedding_type == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dim, got {m.head_dim} (--model.kv_channels)")
-    if m.sliding_window is not None:
-        positive(m.sliding_window, "model.window_size")
+    if m.window_size is not None:
+        positive(m.window_size, "window_size")
     validate_moe(cfg)
     if m.num_attention_heads % tp:
         raise ConfigError(f"--model.num_attention_heads={m.num_attention_heads} is not divisible by --tp={tp}")
@@ -62,14 +52,6 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"--model.num_query_groups={m.num_kv_heads} and --tp={tp}: one must divide the other "
             "(KV heads are split over tp, or replicated when fewer than tp)")
-    if m.qkv_grad_impl == "pallas" and (m.position_embedding_type != "rope" or m.num_kv_heads % tp):
-        raise ConfigError(  # the kernel is the backward of the fused projection's split with RoPE, nothing else
-            f"--model.qkv_grad_impl=pallas needs RoPE and the fused QKV projection (KV heads split over tp); got "
-            f"--position_embedding_type={m.position_embedding_type}, --model.num_query_groups={m.num_kv_heads}, "
-            f"--tp={tp}; use --model.qkv_grad_impl=auto or xla")
-    if m.qkv_grad_impl == "pallas" and m.qk_layernorm:
-        raise ConfigError("--model.qkv_grad_impl=pallas fuses the QKV split with RoPE, which --qk_layernorm puts a norm "
-                          "between; use --model.qkv_grad_impl=auto or xla")
     if m.qk_layernorm_across_heads and not m.qk_layernorm:
         raise ConfigError("--qk_layernorm_across_heads needs --qk_layernorm")
     if m.padded_vocab_size() % tp:
@@ -82,6 +64,30 @@ def validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"--seq_length={cfg.train.seq_length} exceeds --model.max_position_embeddings="
             f"{m.max_position_embeddings} of the learned position table")
+
+
+def validate_execution(cfg: Config) -> None:
+    """--attention_impl, --qkv_grad_impl, --cross_entropy_impl, --remat_* ... (mjax/config/execution.py)."""
+    e, m, tp = cfg.execution, cfg.model, cfg.parallel.tp
+    choice(e.attention_impl, kernels.ATTENTION_IMPLS, "attention_impl")
+    choice(e.qkv_grad_impl, kernels.QKV_GRAD_IMPLS, "qkv_grad_impl")
+    if e.qkv_grad_impl == "pallas" and not kernels.qkv_kernel_tiles(m.head_dim):
+        raise ConfigError(f"--qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "
+                          f"(Triton's tile sizes), got head dim {m.head_dim}; use --qkv_grad_impl=xla")
+    if e.qkv_grad_impl == "pallas" and (m.position_embedding_type != "rope" or m.num_kv_heads % tp):
+        raise ConfigError(  # the kernel is the backward of the fused projection's split with RoPE, nothing else
+            f"--qkv_grad_impl=pallas needs RoPE and the fused QKV projection (KV heads split over tp); got "
+            f"--position_embedding_type={m.position_embedding_type}, --num_query_groups={m.num_kv_heads}, "
+            f"--tp={tp}; use --qkv_grad_impl=auto or xla")
+    if e.qkv_grad_impl == "pallas" and m.qk_layernorm:
+        raise ConfigError("--qkv_grad_impl=pallas fuses the QKV split with RoPE, which --qk_layernorm puts a norm "
+                          "between; use --qkv_grad_impl=auto or xla")
+    choice(e.cross_entropy_impl, kernels.CROSS_ENTROPY_IMPLS, "cross_entropy_impl")
+    positive(e.cross_entropy_chunk, "cross_entropy_chunk")
+    choice(e.moe_grouped_gemm_impl, model_options.MOE_GROUPED_GEMM_IMPLS, "moe_grouped_gemm_impl")
+    choice(e.remat_policy, ("none", "selective", "full"), "remat_policy")
+    for name in e.remat_save_names:
+        choice(name, REMAT_NAMES, "remat_save_names")
 
 
 def validate_moe(cfg: Config) -> None:
@@ -100,7 +106,6 @@ def validate_moe(cfg: Config) -> None:
     choice(m.moe_router_load_balancing_type, model_options.MOE_LOAD_BALANCING_TYPES, "moe_router_load_balancing_type")
     choice(m.moe_token_drop_policy, model_options.MOE_DROP_POLICIES, "moe_token_drop_policy")
     choice(m.moe_router_dtype, model_options.MOE_ROUTER_DTYPES, "moe_router_dtype")
-    choice(m.moe_grouped_gemm_impl, model_options.MOE_GROUPED_GEMM_IMPLS, "moe_grouped_gemm_impl")
     pattern = m.moe_layer_pattern()  # raises for a malformed --moe_layer_freq
     if not any(pattern):
         raise ConfigError(f"--num_experts={e} but no layer is MoE (--moe_layer_freq={m.moe_layer_freq}, "
@@ -198,8 +203,8 @@ def validate_quantization(cfg: Config) -> None:
     positive(pr.fp8_amax_history_len, "fp8_amax_history_len")
     if pr.fp8_margin < 0:
         raise ConfigError(f"--fp8_margin must be >= 0, got {pr.fp8_margin}")
-    if kernels.FP8_CAST in m.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
-        raise ConfigError(f"--model.remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
+    if kernels.FP8_CAST in cfg.execution.remat_save_names and pr.fp8_recipe not in ("delayed", "tensorwise"):
+        raise ConfigError(f"--remat_save_names has fp8_cast, which only per-tensor FP8 GEMMs name "
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; drop it")
     for flag in ("fp4_hadamard", "fp4_stochastic_rounding"):
@@ -222,7 +227,8 @@ def validate_quantization(cfg: Config) -> None:
     if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
         raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with --pp={cfg.parallel.pp} is not supported yet: the "
                           "pipeline stages do not carry the FP8 scaling state; drop one of them")
-    if pr.quantize_output_layer and m.cross_entropy_impl == "fused" and pr.fp8_recipe not in ("delayed", "tensorwise"):
+    if (pr.quantize_output_layer and cfg.execution.cross_entropy_impl == "fused"
+            and pr.fp8_recipe not in ("delayed", "tensorwise")):
         raise ConfigError(f"--quantize_output_layer with --cross_entropy_impl=fused quantizes with per-tensor FP8 "
                           f"(--fp8_recipe=delayed|tensorwise), not --fp8_recipe={pr.fp8_recipe} "
                           f"--fp4_recipe={pr.fp4_recipe}; use --cross_entropy_impl=reference")
@@ -245,6 +251,7 @@ def check_blockwise_dims(dims: dict) -> None:
 def validate(cfg: Config) -> None:
     """Every check that needs only the config (mjax.parallel.layout.validate_layout adds the device count's)."""
     validate_model(cfg)
+    validate_execution(cfg)
     p, t, o, pr = cfg.parallel, cfg.train, cfg.optimizer, cfg.precision
     for name in ("tp", "pp", "vpp", "ep", "cp", "fsdp"):
         positive(getattr(p, name), name)
@@ -306,6 +313,6 @@ def validate_checkpoint(c) -> None:
     if c.keep is not None and c.keep <= 0:
         raise ConfigError(f"--keep={c.keep}: keep is how many of the latest checkpoints to keep (at least 1); leave "
                           "it unset to keep all")
-    for flag, given in (("--ckpt_step", c.load_step is not None), ("--load_params_only", c.load_params_only)):
+    for flag, given in (("--ckpt_step", c.ckpt_step is not None), ("--load_params_only", c.load_params_only)):
         if given and not c.load:
             raise ConfigError(f"{flag} says what to read from --load, but --load is not set")

@@ -45,7 +45,7 @@ KEYS = (
     ("layer_norm_epsilon", "norm_epsilon", 1e-5),
 )
 FIXED = dict(normalization="layernorm", activation="gelu", position_embedding_type="learned", add_bias_linear=True,
-             num_query_groups=None, kv_channels=None, sliding_window=None)
+             num_query_groups=None, kv_channels=None, window_size=None)
 CHECKS = (
     ("activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"), "gelu_new"),
     ("scale_attn_weights", (True,), True),

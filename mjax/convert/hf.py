@@ -177,7 +177,7 @@ def infer_family(m) -> Family:
         return GPT2
     if m.add_qkv_bias:
         return QWEN2
-    return MISTRAL if m.sliding_window else LLAMA
+    return MISTRAL if m.window_size else LLAMA
 
 
 def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:

@@ -89,7 +89,7 @@ def common_from_hf(hf: dict, family: str) -> dict:
     head_dim = hf.get("head_dim")
     out["kv_channels"] = head_dim if head_dim and head_dim != out["hidden_size"] // heads else None
     out["untie_embeddings_and_output_weights"] = not hf.get("tie_word_embeddings", False)
-    out.update(FIXED, add_qkv_bias=False, sliding_window=None, **rope_from_hf(hf, family))
+    out.update(FIXED, add_qkv_bias=False, window_size=None, **rope_from_hf(hf, family))
     return out
 
 
@@ -107,17 +107,17 @@ def llama_from_hf(hf: dict) -> dict:
 
 
 def llama_to_hf(m, original=None) -> dict:
-    check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=False, sliding_window=None), "LlamaForCausalLM")
+    check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=False, window_size=None), "LlamaForCausalLM")
     return dict(common_to_hf(m, "LlamaForCausalLM", "llama", original), attention_bias=False, mlp_bias=False)
 
 
 def mistral_from_hf(hf: dict) -> dict:
-    return dict(common_from_hf(hf, "Mistral"), name="mistral", sliding_window=hf.get("sliding_window"))
+    return dict(common_from_hf(hf, "Mistral"), name="mistral", window_size=hf.get("sliding_window"))
 
 
 def mistral_to_hf(m, original=None) -> dict:
     check_fixed(m, dict(DENSE_ONLY, add_qkv_bias=False), "MistralForCausalLM")
-    return dict(common_to_hf(m, "MistralForCausalLM", "mistral", original), sliding_window=m.sliding_window)
+    return dict(common_to_hf(m, "MistralForCausalLM", "mistral", original), sliding_window=m.window_size)
 
 
 def qwen2_window(hf: dict, family: str = "Qwen2") -> int | None:
@@ -136,12 +136,12 @@ def qwen2_window(hf: dict, family: str = "Qwen2") -> int | None:
 
 
 def qwen2_from_hf(hf: dict) -> dict:
-    return dict(common_from_hf(hf, "Qwen2"), name="qwen2", add_qkv_bias=True, sliding_window=qwen2_window(hf))
+    return dict(common_from_hf(hf, "Qwen2"), name="qwen2", add_qkv_bias=True, window_size=qwen2_window(hf))
 
 
 def qwen2_window_to_hf(m) -> dict:
     """Qwen2's keys for mjax's one window (or none) over every layer."""
-    window = m.sliding_window
+    window = m.window_size
     return dict(use_sliding_window=window is not None, sliding_window=window,
                 max_window_layers=0 if window else m.num_layers,
                 layer_types=["sliding_attention" if window else "full_attention"] * m.num_layers)

@@ -110,7 +110,7 @@ def _qwen_layers_to_hf(m) -> dict:
 def mixtral_from_hf(hf: dict) -> dict:
     check_values(hf, (("router_jitter_noise", (0.0,), 0.0),), "Mixtral")  # training noise mjax does not add
     out = common_from_hf(hf, "Mixtral")
-    return dict(out, name="mixtral", sliding_window=hf.get("sliding_window"),
+    return dict(out, name="mixtral", window_size=hf.get("sliding_window"),
                 moe_ffn_hidden_size=out["ffn_hidden_size"], moe_layer_freq="1",
                 **_moe_from_hf(hf, "Mixtral", "num_local_experts", norm_topk=True))
 
@@ -121,7 +121,7 @@ def mixtral_to_hf(m, original=None) -> dict:
                              moe_shared_expert_intermediate_size=None), all_moe=True)
     return dict(common_to_hf(m, arch, "mixtral", original), intermediate_size=_expert_ffn(m),
                 num_local_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
-                sliding_window=m.sliding_window, router_jitter_noise=0.0)
+                sliding_window=m.window_size, router_jitter_noise=0.0)
 
 
 def qwen2_moe_from_hf(hf: dict) -> dict:
@@ -132,7 +132,7 @@ def qwen2_moe_from_hf(hf: dict) -> dict:
                            ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", REQUIRED)),
                       family)
     pattern = _qwen_pattern(hf, out["num_layers"], moe["num_experts"])
-    return dict(out, name="qwen2_moe", add_qkv_bias=hf.get("qkv_bias", True), sliding_window=qwen2_window(hf, family),
+    return dict(out, name="qwen2_moe", add_qkv_bias=hf.get("qkv_bias", True), window_size=qwen2_window(hf, family),
                 moe_shared_expert_gate=True, **moe, **sizes, **_layer_freq(pattern, family, QWEN_LAYER_KEYS))
 
 
@@ -160,7 +160,7 @@ def qwen3_moe_from_hf(hf: dict) -> dict:
 def qwen3_moe_to_hf(m, original=None) -> dict:
     arch = "Qwen3MoeForCausalLM"
     _check_moe(m, arch, dict(qk_layernorm=True, qk_layernorm_across_heads=False, add_qkv_bias=False,
-                             sliding_window=None, moe_shared_expert_intermediate_size=None))
+                             window_size=None, moe_shared_expert_intermediate_size=None))
     key = "num_local_experts" if original and "num_local_experts" in original and "num_experts" not in original \
         else "num_experts"
     return dict(common_to_hf(m, arch, "qwen3_moe", original), attention_bias=False, use_sliding_window=False,
@@ -183,7 +183,7 @@ def olmoe_from_hf(hf: dict) -> dict:
 def olmoe_to_hf(m, original=None) -> dict:
     arch = "OlmoeForCausalLM"
     _check_moe(m, arch, dict(qk_layernorm=True, qk_layernorm_across_heads=True, add_qkv_bias=False,
-                             sliding_window=None, kv_channels=None, moe_shared_expert_intermediate_size=None),
+                             window_size=None, kv_channels=None, moe_shared_expert_intermediate_size=None),
                all_moe=True)
     return dict(common_to_hf(m, arch, "olmoe", original), intermediate_size=_expert_ffn(m), attention_bias=False,
                 clip_qkv=None, num_experts=m.num_experts, **_moe_to_hf(m))
@@ -227,7 +227,7 @@ def deepseek_layers(m, arch: str) -> tuple[int, int]:
 
 def deepseek_to_hf(m, original=None) -> dict:
     arch = "DeepseekForCausalLM"
-    _check_moe(m, arch, dict(qk_layernorm=False, add_qkv_bias=False, sliding_window=None, kv_channels=None,
+    _check_moe(m, arch, dict(qk_layernorm=False, add_qkv_bias=False, window_size=None, kv_channels=None,
                              rope_scaling="none", moe_shared_expert_gate=False))
     if m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
         raise ConversionError(f"cannot write model.moe_router_pre_softmax=False with --moe_router_topk=1 as {arch}: "

@@ -12,8 +12,11 @@ from mjax.sharding import constrain, splits_evenly
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, rngs: nnx.Rngs):
+        """execution: the kernel choices (--attention_impl, --qkv_grad_impl); default auto."""
         self.cfg = cfg
+        self.attention_impl, self.qkv_grad_impl = ((execution.attention_impl, execution.qkv_grad_impl)
+                                                   if execution is not None else ("auto", "auto"))
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
         common = dict(std=cfg.init_method_std, use_bias=qkv_bias, dtype=dtype, param_dtype=param_dtype, quant=quant,
@@ -40,7 +43,7 @@ class Attention(nnx.Module):
         fused = splits_evenly("kv_heads", k)
         shapes = ((k, n // k, h), (k, 1, h), (k, 1, h))
         rope = cfg.position_embedding_type == "rope"
-        if fused and rope and not cfg.qk_layernorm and use_qkv_grad_kernel(cfg.qkv_grad_impl, h):
+        if fused and rope and not cfg.qk_layernorm and use_qkv_grad_kernel(self.qkv_grad_impl, h):
             y = fused_product(x, parts, shapes, axis=1)  # [B, T, K, G + 2, H]
             q, k_, v = split_qkv(y, *rope_cos_sin(positions, rope_frequencies(cfg)))
             return self._constrain(q, k_, v)
@@ -72,10 +75,10 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in self.project_qkv(x, positions))
         if cache is not None:
             cache = {"k": _write(cache["k"], k, positions[:, 0]), "v": _write(cache["v"], v, positions[:, 0])}
-            out = cached_attention(q, cache["k"], cache["v"], positions, self.cfg.sliding_window)  # [B, T, N, H]
+            out = cached_attention(q, cache["k"], cache["v"], positions, self.cfg.window_size)  # [B, T, N, H]
             return self.o_proj(out), cache
-        out = dot_product_attention(q, k, v, causal=True, sliding_window=self.cfg.sliding_window,
-                                    segment_ids=segment_ids, impl=self.cfg.attention_impl)  # [B, T, N, H]
+        out = dot_product_attention(q, k, v, causal=True, sliding_window=self.cfg.window_size,
+                                    segment_ids=segment_ids, impl=self.attention_impl)  # [B, T, N, H]
         out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attn_context")
         return checkpoint_name(self.o_proj(out), "attn_out"), None
 

@@ -5,15 +5,17 @@ model, `logical_axes()` gives the same dict with each leaf's logical axis names 
 """
 
 import dataclasses
+from collections.abc import Callable
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mjax.config.execution import ExecutionConfig
 from mjax.kernels.quant import QuantPolicy, policy_from_precision
 from mjax.model.layers import Fp8Meta
-from mjax.model.transformer import CausalLM
+from mjax.model.transformer import CausalLM, scan_runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +24,12 @@ class ModelDef:
     dtype: str = "float32"
     param_dtype: str = "float32"
     quant: QuantPolicy | None = None  # the FP8/FP4 policy of the linear layers (mjax/kernels/quant/)
+    execution: ExecutionConfig | None = None  # kernel choices; None: auto everywhere
+    runner: Callable = scan_runner  # how each run of layers runs (training: mjax.parallel.remat.LayerRunner)
 
     def module(self, key) -> CausalLM:
         return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
-                        quant=self.quant, rngs=nnx.Rngs(params=key))
+                        quant=self.quant, execution=self.execution, runner=self.runner, rngs=nnx.Rngs(params=key))
 
     @functools.cached_property
     def _split(self):
@@ -87,12 +91,13 @@ class ModelDef:
         return self.cfg.padded_vocab_size()
 
 
-def build_model(cfg, precision=None) -> ModelDef:
-    """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes)."""
+def build_model(cfg, precision=None, execution=None, runner=scan_runner) -> ModelDef:
+    """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes and the FP8/FP4 policy,
+    ExecutionConfig for the kernel choices, and a layer runner for remat / scan)."""
     if precision is None:
-        return ModelDef(cfg)
+        return ModelDef(cfg, execution=execution, runner=runner)
     return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype,
-                    quant=policy_from_precision(precision))
+                    quant=policy_from_precision(precision), execution=execution, runner=runner)
 
 
 def count_params(params) -> int:

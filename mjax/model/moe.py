@@ -19,9 +19,9 @@ With --fp8_recipe=delayed|tensorwise each expert projection also holds experts/*
 Forward: the router logits x @ router/kernel in --moe_router_dtype (full-precision matmul), router.route picks the
 top-k, then per dispatch group (one per shard of the logical `batch` axis, so under data parallelism the sort stays
 local; 1 without a mesh) the assignments are sorted by expert (moe_dispatch.py), the gate and up projections run as
-one grouped GEMM on their [E, D, F, 2] concatenation, the SwiGLU output is multiplied by the routing weight (where
+two grouped GEMMs, the SwiGLU output is multiplied by the routing weight (where
 Megatron applies it), the down projection is a second grouped GEMM, and each token sums its slots. The grouped GEMMs
-go through mjax.kernels.grouped_matmul with impl = --moe_grouped_gemm_impl (cfg.moe_grouped_gemm_impl, default
+go through mjax.kernels.grouped_matmul with impl = --moe_grouped_gemm_impl (the execution config's, default
 auto); under a per-tensor FP8 policy through its fp8_grouped_matmul (gate and up share one quantization of the
 dispatched rows; x and the gradients have one scale per tensor over all dispatch groups, the weights one per
 expert; kernels/grouped_matmul/fp8.py). The router stays in full precision (as Megatron keeps it out of FP8), the
@@ -198,9 +198,11 @@ def _check(cfg, quant):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, rngs: nnx.Rngs):
+        """execution: the kernel choices (--moe_grouped_gemm_impl); default auto."""
         _check(cfg, quant)
         self.cfg, self.dtype = cfg, dtype
+        self.grouped_gemm_impl = execution.moe_grouped_gemm_impl if execution is not None else "auto"
         self.router = Router(cfg, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(cfg, param_dtype=param_dtype, quant=quant, rngs=rngs)
         shared = cfg.moe_shared_expert_intermediate_size
@@ -271,7 +273,7 @@ class MoE(nnx.Module):
         if cfg.moe_expert_capacity_factor is not None:
             capacity = moe_router.expert_capacity(n, e, k, cfg.moe_expert_capacity_factor)
         run = functools.partial(dispatch_group, num_experts=e, capacity=capacity, policy=cfg.moe_token_drop_policy,
-                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=cfg.moe_grouped_gemm_impl,
+                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=self.grouped_gemm_impl,
                                 quant=self.experts.quant)
         y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None, None))(
             xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, self.experts.kernels(self.dtype),

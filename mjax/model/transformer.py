@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import ATTN_CORE, cudnn_forward_primitives
+from mjax.config.execution import ExecutionConfig
 from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mlp import MLP
@@ -23,17 +23,20 @@ STACKS = ("layers", "moe_layers")  # the stacked-layer params: dense blocks, MoE
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, execution=None, rngs: nnx.Rngs):
+        execution = execution or ExecutionConfig()
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        ffn = MoE if moe else MLP
-        self.mlp = ffn(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
+        if moe:
+            self.mlp = MoE(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
     def __call__(self, x, positions, segment_ids, moe_key=None, cache=None):
         """x [B, T, D] -> (x [B, T, D], the MoE layer's stats or None, the updated KV cache or None). `moe_key`: the
         router noise of --moe_router_force_load_balancing; `cache`: the layer's KV cache when decoding."""
-        # The named scopes label the compiled ops (and so the profile, mjax/train/profile.py) by model part.
+        # The named scopes label the compiled ops (and so the profile, benchmarks/profile.py) by model part.
         with jax.named_scope("norm"):
             h = checkpoint_name(self.attn_norm(x), "norm")
         with jax.named_scope("attention"):
@@ -53,19 +56,12 @@ def default_positions(tokens):  # [B, T] -> [B, T]: 0..T-1 in every row
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-def remat_policy(cfg, extra_names=()):
-    """None (no remat), or a jax.checkpoint policy: 'full' saves nothing, 'selective' saves the named tensors
-    (cfg.remat_save_names and `extra_names`)."""
-    if cfg.remat_policy == "none":
-        return None
-    if cfg.remat_policy == "full":
-        return jax.checkpoint_policies.nothing_saveable
-    names = tuple(dict.fromkeys((*cfg.remat_save_names, *extra_names)))
-    by_name = jax.checkpoint_policies.save_only_these_names(*names)
-    if ATTN_CORE not in names or cfg.attention_impl not in ("auto", "cudnn") or jax.default_backend() != "gpu":
-        return by_name
-    cudnn = cudnn_forward_primitives()  # its results carry no name: found by primitive
-    return lambda prim, *args, **params: prim in cudnn or by_name(prim, *args, **params)
+def scan_runner(layer, x, xs, extra_names=()):
+    """The model's own way to run a stack of same-kind layers: a plain scan, no recomputation. Training applies
+    its remat policy and scan choice from outside (mjax.parallel.remat.LayerRunner); extra_names are the remat
+    names a quantized layer would keep, meaningless without remat."""
+    del extra_names
+    return jax.lax.scan(layer, x, xs)
 
 
 def split_stacked(tree, sizes):
@@ -85,8 +81,12 @@ class CausalLM(nnx.Module):
 
     `quant` (a mjax.kernels.quant.QuantPolicy or None) is the precision policy of the linear layers."""
 
-    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, rngs: nnx.Rngs):
-        self.cfg, self.dtype, self.quant = cfg, dtype, quant
+    def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, execution=None,
+                 runner=scan_runner, rngs: nnx.Rngs):
+        """execution: the kernel choices (mjax.config.ExecutionConfig; default: auto everywhere); runner: how each
+        run of layers is run (remat, scan: see scan_runner)."""
+        execution = execution or ExecutionConfig()
+        self.cfg, self.dtype, self.quant, self.runner = cfg, dtype, quant, runner
         self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
         head_quant = quant if quant is not None and quant.output_layer else None
@@ -100,7 +100,7 @@ class CausalLM(nnx.Module):
         for name, moe, count in (("layers", False, pattern.count(False)), ("moe_layers", True, pattern.count(True))):
             if count:
                 setattr(self, name, _stacked_blocks(cfg, count, moe, dtype=dtype, param_dtype=param_dtype,
-                                                    quant=quant, rngs=rngs))
+                                                    quant=quant, execution=execution, rngs=rngs))
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if not tied:
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
@@ -140,14 +140,8 @@ class CausalLM(nnx.Module):
         for name, start, stop, quantized in segments:
             layer = self._layer_fn(split[name][0], positions, segment_ids, quantized)
             seg = (next(params[name]), next(keys[name]), next(caches[name]))
-            if cfg.scan_layers:
-                x, (st, c) = jax.lax.scan(layer, x, seg)
-            else:
-                outs = []
-                for one in split_stacked(seg, [1] * (stop - start)):
-                    x, o = layer(x, jax.tree.map(lambda a: jnp.squeeze(a, 0), one))
-                    outs.append(jax.tree.map(lambda a: a[None], o))
-                st, c = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+            extra = self.quant.remat_keeps if self.quant is not None and quantized else ()
+            x, (st, c) = self.runner(layer, x, seg, extra)
             if name == "moe_layers":
                 stats.append(st)
             new_cache[name].append(c)
@@ -155,19 +149,16 @@ class CausalLM(nnx.Module):
         return (x, concat(stats) if stats else {},
                 None if cache is None else {name: concat(parts) for name, parts in new_cache.items()})
 
-    def _layer_fn(self, graphdef, positions, segment_ids, quantized: bool):
-        """One block as a scan body: (x, (layer state, router key, KV cache)) -> (x, (MoE stats, KV cache)), under
-        remat."""
-        cfg = self.cfg
-
+    @staticmethod
+    def _layer_fn(graphdef, positions, segment_ids, quantized: bool):
+        """One block as a scan body: (x, (layer state, router key, KV cache)) -> (x, (MoE stats, KV cache))."""
         def layer(x, xs):
             layer_state, key, cache = xs
             block = nnx.merge(graphdef, layer_state)
             x, stats, cache = (block if quantized else without_quant(block))(x, positions, segment_ids, key, cache)
             return x, (stats, cache)
 
-        policy = remat_policy(cfg, self.quant.remat_keeps if self.quant is not None and quantized else ())
-        return layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=not cfg.scan_layers)
+        return layer
 
     def _layer_segments(self, pattern) -> list[tuple[str, int, int, bool]]:
         """(stack, start, stop within the stack, quantized) runs of consecutive layers of one kind and precision, in

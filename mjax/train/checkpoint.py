@@ -99,10 +99,10 @@ class Checkpointer:
         own = self._mngr.latest_step() if self._mngr is not None else None
         same = self._mngr is not None and bool(c.load) and abspath(c.load) == abspath(c.save)
         # A run's own steps win (a requeued job resumes its progress), unless --ckpt_step names one of them.
-        if own is not None and not (same and c.load_step is not None):
+        if own is not None and not (same and c.ckpt_step is not None):
             if c.load and not same:
                 log.warning("--save=%s already holds step %d: resuming from it; --load=%s%s is not used", c.save,
-                            own, c.load, "" if c.load_step is None else f" --ckpt_step={c.load_step}")
+                            own, c.load, "" if c.ckpt_step is None else f" --ckpt_step={c.ckpt_step}")
             return self._restore(self._mngr, own, c.save)
         if not c.load:
             return self.init_state(self.cfg.train.seed), 0
@@ -119,7 +119,7 @@ class Checkpointer:
                 return self.init_state(self.cfg.train.seed), 0
             raise CheckpointError(f"--load={c.load} holds no checkpoint (no complete step directory); check the "
                                   "path, or drop --load to start from scratch")
-        step = pick_step(steps, c.load_step, c.load, CheckpointError)
+        step = pick_step(steps, c.ckpt_step, c.load, CheckpointError)
         try:
             return self._restore(mngr, step, c.load)
         finally:
@@ -170,7 +170,7 @@ class Checkpointer:
             if not steps:
                 raise CheckpointError(f"--load={directory} holds neither a training checkpoint (step directories) "
                                       f"nor a converted one ({params_io.PARAMS}/ and {params_io.CONFIG})")
-            step = pick_step(steps, self.cfg.checkpoint.load_step, directory, CheckpointError)
+            step = pick_step(steps, self.cfg.checkpoint.ckpt_step, directory, CheckpointError)
             source = os.path.join(abspath(directory), str(step))
         abstract = self._abstract()
         t0 = time.perf_counter()

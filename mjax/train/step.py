@@ -23,12 +23,12 @@ def hidden_states(model, params, micro, use_segments: bool, fp8=None, moe_keys=N
 
 
 @jax.named_scope("loss")
-def head_sums(module, h, micro, model_cfg, z_loss_coeff: float):
+def head_sums(module, h, micro, model_cfg, execution, z_loss_coeff: float):
     """(loss sum, z-loss sum) over a micro-batch's unmasked tokens, from the final hidden states [B, T, D], by
     --cross_entropy_impl (mjax.kernels.cross_entropy)."""
-    return cross_entropy.loss_sums(h, micro["targets"], micro["loss_mask"], impl=model_cfg.cross_entropy_impl,
+    return cross_entropy.loss_sums(h, micro["targets"], micro["loss_mask"], impl=execution.cross_entropy_impl,
                                    vocab_size=model_cfg.vocab_size, z_loss_coeff=z_loss_coeff,
-                                   chunk=model_cfg.cross_entropy_chunk, compute_dtype=module.dtype,
+                                   chunk=execution.cross_entropy_chunk, compute_dtype=module.dtype,
                                    logits_fn=module.logits, output_layer=module.output_layer())
 
 
@@ -42,7 +42,7 @@ def make_train_step(model, cfg, tx, schedule):
     use_segments = cfg.data.reset_attention_mask
 
     def micro_sums(module, h, micro):  # (loss sum, z sum); also what each pipeline stage's head computes
-        return head_sums(module, h, micro, cfg.model, z_coeff)
+        return head_sums(module, h, micro, cfg.model, cfg.execution, z_coeff)
 
     num_moe = cfg.model.moe_layer_pattern().count(True)
 
@@ -144,7 +144,7 @@ def make_train_step(model, cfg, tx, schedule):
 
 def make_eval_step(model, cfg):
     def masked_sums(module, h, batch):  # (loss sum, token count) from the final hidden states [B, T, D]
-        return head_sums(module, h, batch, cfg.model, 0.0)[0], jnp.sum(batch["loss_mask"])
+        return head_sums(module, h, batch, cfg.model, cfg.execution, 0.0)[0], jnp.sum(batch["loss_mask"])
 
     def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
         if cfg.parallel.pp > 1:  # through the stages, rather than gathering every layer onto every device

@@ -151,8 +151,8 @@ def test_pallas_kernels_train_like_the_reference():
     against the dequantize + ragged_dot reference, delayed scaling: the same quantized values, the GEMMs summed in
     another order (float32 noise, through FP8 rounding of the updated weights up to ~1e-3 later)."""
     cfg = _cfg(fp8_recipe="delayed").replace(model=dict(num_layers=2, moe_first_dense_layers=0))
-    want, _ = _train_losses(cfg.replace(model=dict(moe_grouped_gemm_impl="xla")), jax.devices()[:1], 3)
-    got, _ = _train_losses(cfg.replace(model=dict(moe_grouped_gemm_impl="pallas"), precision=dict(quant_impl="pallas")),
+    want, _ = _train_losses(cfg.replace(execution=dict(moe_grouped_gemm_impl="xla")), jax.devices()[:1], 3)
+    got, _ = _train_losses(cfg.replace(execution=dict(moe_grouped_gemm_impl="pallas"), precision=dict(quant_impl="pallas")),
                            jax.devices()[:1], 3)
     np.testing.assert_allclose(got[0], want[0], rtol=2e-4)
     np.testing.assert_allclose(got, want, rtol=3e-3)

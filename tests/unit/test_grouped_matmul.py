@@ -291,7 +291,7 @@ def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
     """The script end to end off GPU (tiny shapes, kernels interpreted; a subprocess, as its absl flags are global):
     the table, the sweep, --check, the JSON and the row distributions it times."""
     out = tmp_path / "gmm.json"
-    proc = subprocess.run([sys.executable, "benchmarks/bench_grouped_matmul.py", "--smoke", "--check",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--smoke", "--check",
                            "--min_time_s=0.001", "--dists=balanced,skewed,empty", "--tilings=16x16x16w4s3",
                            f"--json_out={out}"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})

@@ -392,7 +392,7 @@ def test_benchmark_fp8_smoke_run_tables_sweeps_and_checks(tmp_path):
     import sys  # noqa: PLC0415
 
     out = tmp_path / "gmm_fp8.json"
-    proc = subprocess.run([sys.executable, "benchmarks/bench_grouped_matmul.py", "--smoke", "--fp8", "--check",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--smoke", "--fp8", "--check",
                            "--fp8_recipe=delayed", "--min_time_s=0.001", "--dists=balanced,empty",
                            "--noragged_dot", "--tilings=16x32x32w4s3,16x16x16w4s3", f"--json_out={out}"],
                           capture_output=True, text=True, timeout=900,

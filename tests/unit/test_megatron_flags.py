@@ -34,12 +34,12 @@ def test_megatron_parallel_and_model_flags(parse):
                 "--normalization", "LayerNorm", "--context-parallel-size=1", "--tensor-model-parallel-size", "2")
     assert (cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.cp) == (2, 2, 1)
     assert cfg.model.num_layers == 3
-    assert cfg.model.remat_policy == "selective"
+    assert cfg.execution.remat_policy == "selective"
     assert cfg.model.normalization == "layernorm"
 
 
 def test_recompute_granularity_full(parse):
-    assert parse("--recompute-granularity", "full").model.remat_policy == "full"
+    assert parse("--recompute-granularity", "full").execution.remat_policy == "full"
 
 
 def test_data_path_takes_every_value_up_to_the_next_flag(parse):

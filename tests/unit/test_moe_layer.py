@@ -11,7 +11,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
-from mjax.config import ModelConfig
+from mjax.config import ExecutionConfig, ModelConfig
 from mjax.model import moe as moe_module
 from mjax.model import router
 from mjax.model.moe import MoE
@@ -30,8 +30,8 @@ def make_cfg(**kw):
     return ModelConfig(**{**base, **kw})
 
 
-def make_moe(cfg, seed=0, dtype=jnp.float32):
-    return MoE(cfg, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+def make_moe(cfg, seed=0, dtype=jnp.float32, execution=None):
+    return MoE(cfg, dtype=dtype, param_dtype=jnp.float32, execution=execution, rngs=nnx.Rngs(seed))
 
 
 def call(m, x, key=None):
@@ -216,16 +216,10 @@ def test_stats_pieces():
     assert stats["router_topk_count"].dtype == jnp.int32 and stats["tokens_per_expert"].shape == (E,)
 
 
-@dataclasses.dataclass(frozen=True)
-class PallasConfig(ModelConfig):
-    moe_grouped_gemm_impl: str = "pallas"  # the flag the grouped-matmul dispatch reads (interpreted off GPU)
-
-
 @pytest.mark.slow  # interpreted Pallas: ~18 s on 2 cores
 def test_pallas_grouped_gemm_forward_and_gradients():
-    cfg = PallasConfig(**dataclasses.asdict(make_cfg(moe_shared_expert_intermediate_size=24,
-                                                     moe_shared_expert_gate=True)))
-    m = make_moe(cfg)
+    cfg = make_cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+    m = make_moe(cfg, execution=ExecutionConfig(moe_grouped_gemm_impl="pallas"))  # interpreted off GPU
     x = inputs()
     y, _ = call(m, x)
     np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg), **TOL)

@@ -4,6 +4,6 @@ from mjax.config import load_config
 
 def config():
     return load_config("mistral-7b").replace(
-        model=dict(name="mixtral-8x7b", sliding_window=None, rotary_base=1000000.0, num_experts=8,
+        model=dict(name="mixtral-8x7b", window_size=None, rotary_base=1000000.0, num_experts=8,
                    moe_router_topk=2, moe_ffn_hidden_size=14336, moe_aux_loss_coeff=0.02),
     )

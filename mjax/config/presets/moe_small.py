@@ -7,6 +7,7 @@ from mjax.config import load_config
 
 def config():
     return load_config("qwen3-30b-a3b").replace(
-        model=dict(name="moe-small", num_layers=8, cross_entropy_impl="fused", scan_layers=False),
+        model=dict(name="moe-small", num_layers=8),
+        execution=dict(cross_entropy_impl="fused", scan_layers=False),
         train=dict(train_iters=1000, seq_length=4096, global_batch_size=8, micro_batch_size=8),
     )

@@ -1,6 +1,6 @@
 """The fused QKV projection's split with RoPE, whose backward assembles the gradient of the [B, T, K, G + 2, H]
 projection output from dQ, dK (rotated back) and dV: autodiff's concatenate (`xla`, reference.py) or one Pallas pass
-(`pallas`, pallas.py). `--model.qkv_grad_impl=auto|xla|pallas` (auto: pallas on a GPU when Triton can tile the head
+(`pallas`, pallas.py). `--qkv_grad_impl=auto|xla|pallas` (auto: pallas on a GPU when Triton can tile the head
 dim, else xla)."""
 
 import jax
@@ -13,7 +13,7 @@ __all__ = ["rotate", "split_qkv", "split_rotate", "use_qkv_grad_kernel"]
 
 
 def use_qkv_grad_kernel(impl: str, head_dim: int) -> bool:
-    """--model.qkv_grad_impl: auto takes the kernel on a GPU when it can tile the head dim (faster there:
+    """--qkv_grad_impl: auto takes the kernel on a GPU when it can tile the head dim (faster there:
     docs/performance.md)."""
     if impl == "auto":
         return jax.default_backend() == "gpu" and qkv_kernel_tiles(head_dim)

@@ -38,7 +38,7 @@ def cast_transpose_local(x, scale, *, dtype, interpret: bool, with_amax: bool = 
                          num_warps: int = 8):
     """x [R, C], scale [1] f32 -> (saturate(x * scale) [R, C], its transpose [C, R]), both `dtype`, and with_amax:
     max |x| [1] f32 too, from the same pass. `tile` and `num_warps` are parameters for the sweep in
-    scripts/bench_fp8.py (--sections=ct_tiles)."""
+    `python -m benchmarks.bench_fp8 --sections=ct_tiles`."""
     r, c = x.shape
     br, bc = tile
     rp, cp = -(-r // br) * br, -(-c // bc) * bc

@@ -1,8 +1,8 @@
 """Peak host memory and time of checkpoint conversion on a 7B-class model (no torch needed).
 
-    python scripts/bench_convert_memory.py                      # Llama-3-8B shapes, bf16: ~16 GB per copy on disk
-    python scripts/bench_convert_memory.py --num_layers=4       # the same tensors, fewer layers (quick)
-    python scripts/bench_convert_memory.py --max_shard_size_mb=1000   # export in smaller shards
+    python -m benchmarks.bench_convert_memory                      # Llama-3-8B shapes, bf16: ~16 GB per copy on disk
+    python -m benchmarks.bench_convert_memory --num_layers=4       # the same tensors, fewer layers (quick)
+    python -m benchmarks.bench_convert_memory --max_shard_size_mb=1000   # export in smaller shards
 
 Writes random bf16 safetensors shards with the Hugging Face config of Meta-Llama-3-8B (one shard in memory at a
 time), then runs `convert_checkpoint.py` hf_to_mjax and mjax_to_hf, each in a fresh process, and prints a table of

@@ -2,7 +2,7 @@
 Python's standard library and installed packages: tens of MB of real text on any machine, for runs longer than the
 bundled sample corpus (0.35M tokens) can feed without repeating it. Tokenize the output with scripts/preprocess_data.py.
 
-  python scripts/source_corpus.py --out=/tmp/code.jsonl
+  python -m tools.source_corpus --out=/tmp/code.jsonl
   python scripts/preprocess_data.py --input=/tmp/code.jsonl --output_prefix=/tmp/code --append_eod --workers=8
   python scripts/train.py ... --data_path=/tmp/code_text_document
 

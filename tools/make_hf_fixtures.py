@@ -5,8 +5,8 @@ Run it from a Python 3.11 venv outside the repo (a CPU torch wheel exists for 3.
 
     /root/.pyenv/versions/3.11.7/bin/python -m venv /tmp/hfref
     /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy tokenizers
-    /tmp/hfref/bin/python scripts/make_hf_fixtures.py             # writes tests/fixtures/hf/<name>/
-    /tmp/hfref/bin/python scripts/make_hf_fixtures.py --only mixtral  # rebuilds only the fixtures named
+    /tmp/hfref/bin/python -m tools.make_hf_fixtures             # writes tests/fixtures/hf/<name>/
+    /tmp/hfref/bin/python -m tools.make_hf_fixtures --only mixtral  # rebuilds only the fixtures named
 
 The MoE fixtures were made with transformers 5.24.0 (which saves experts one tensor per expert, as the Hub has them).
 
@@ -21,7 +21,7 @@ float32 [L, B*T, top_k] (their final weights, scaling included, in the order of 
 that routing against a NumPy restatement of each family's rule (`route`), that every expert is chosen, and that
 no choice is within float noise of a tie.
 
-    /tmp/hfref/bin/python scripts/make_hf_fixtures.py --check_export=DIR --reference=tests/fixtures/hf/NAME
+    /tmp/hfref/bin/python -m tools.make_hf_fixtures --check_export=DIR --reference=tests/fixtures/hf/NAME
 loads DIR (e.g. written by `convert_checkpoint.py --direction=mjax_to_hf`) with transformers and checks that its
 logits match the fixture's reference: proof that transformers loads what mjax exports. It fails on any weight
 transformers reports missing, unexpected or misshapen, and for an MoE fixture says how many tokens were routed

@@ -4,7 +4,7 @@
 # preset next to the plain-JAX baseline in the same process, the 3B preset in bf16, then in FP8 (tensorwise and
 # delayed), every step profiled; HEAD=1, XLA_CASTS=1 and GEMM=1 add the rows described at the end; QUANT=0 and DEFAULT=0
 # skip the pass benchmark and the default rows (e.g. DEFAULT=0 QUANT=0 GEMM=1 for the GEMM table alone).
-# Run from the repo root on the GPU machine:  OUT=runs/gpu bash scripts/gpu_throughput.sh
+# Run from the repo root on the GPU machine:  OUT=runs/gpu bash benchmarks/gpu_throughput.sh
 # Results: $OUT/*.json; logs and HLO in $OUT/logs.tgz.
 set -uo pipefail
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
@@ -12,7 +12,7 @@ source "$(dirname "$0")/gpu_bench.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 one() { bench "$@" --num_devices=1 --global_batch_size=8; }  # one GPU, 8 x 4096 tokens
 if [ "${QUANT:-1}" = 1 ]; then  # QUANT=0 skips it
-  timeout 60 $PY scripts/bench_fp8.py --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
+  timeout 60 $PY -m benchmarks.bench_fp8 --sections=quant --out="$OUT/quant.json" >"$LOGS/quant.log" 2>&1 || status=1
   grep "quant {" "$LOGS/quant.log"
 fi
 # FP8 rows keep their quantized operands for the backward (remat name fp8_cast, --fp8_keep_casts by default).
@@ -33,7 +33,7 @@ fi
 # another seed (CONVERGE=1: a ~30M-parameter Llama, 800 steps of 16 x 1024 tokens, ~5 minutes).
 if [ "${HEAD:-0}" = 1 ]; then
   one 3b_fp8_tensorwise_head ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise --quantize_output_layer \
-    --model.cross_entropy_impl=fused --profile_steps=1
+    --cross_entropy_impl=fused --profile_steps=1
 fi
 if [ "${XLA_CASTS:-0}" = 1 ]; then  # the FP8 step with XLA making its FP8 copies
   one 3b_fp8_tensorwise_xla_casts ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise --quant_impl=xla \
@@ -45,23 +45,23 @@ if [ "${RECIPES:-0}" = 1 ]; then
   one 3b_mxfp4_rht ${TFP8:-170} --config=llama3.2-3b --fp4_recipe=mxfp4 --fp4_hadamard --profile_steps=1
 fi
 if [ "${QKV:-0}" = 1 ]; then
-  timeout 60 $PY scripts/bench_qkv_grad.py --out="$OUT/qkv_grad.json" >"$LOGS/qkv_grad.log" 2>&1 || status=1
+  timeout 60 $PY -m benchmarks.bench_qkv_grad --out="$OUT/qkv_grad.json" >"$LOGS/qkv_grad.log" 2>&1 || status=1
   grep -A4 "^case" "$LOGS/qkv_grad.log"
-  one 3b_qkv_xla ${T3B:-90} --config=llama3.2-3b --model.qkv_grad_impl=xla --profile_steps=1
+  one 3b_qkv_xla ${T3B:-90} --config=llama3.2-3b --qkv_grad_impl=xla --profile_steps=1
   one 3b_fp8_tensorwise_qkv_xla ${TFP8:-170} --config=llama3.2-3b --fp8_recipe=tensorwise \
-    --model.qkv_grad_impl=xla --profile_steps=1
+    --qkv_grad_impl=xla --profile_steps=1
 fi
 if [ "${GEMM:-0}" = 1 ]; then
-  timeout 420 $PY scripts/bench_fp8.py --sections=gemm --gemm_deadline_s=400 --budget_s=420 \
+  timeout 420 $PY -m benchmarks.bench_fp8 --sections=gemm --gemm_deadline_s=400 --budget_s=420 \
     --out="$OUT/gemm.json" >"$LOGS/gemm.log" 2>&1 || status=1
   grep "gemm {" "$LOGS/gemm.log"
 fi
 if [ "${CONVERGE:-0}" = 1 ]; then  # the 0.35M-token sample corpus would be memorized within a few hundred steps
-  $PY scripts/source_corpus.py --out=/tmp/code.jsonl >"$LOGS/corpus.log" 2>&1 &&
+  $PY -m tools.source_corpus --out=/tmp/code.jsonl >"$LOGS/corpus.log" 2>&1 &&
     $PY scripts/preprocess_data.py --input=/tmp/code.jsonl --output_prefix=/tmp/code --append_eod --workers=8 \
       --progress=false >>"$LOGS/corpus.log" 2>&1 || status=1
   tail -2 "$LOGS/corpus.log"
-  timeout 540 $PY scripts/convergence.py --config=tiny --model.hidden_size=512 --model.num_layers=8 \
+  timeout 540 $PY -m benchmarks.convergence --config=tiny --model.hidden_size=512 --model.num_layers=8 \
     --model.num_attention_heads=8 --model.num_query_groups=8 --model.ffn_hidden_size=1536 --seq_length=1024 \
     --global_batch_size=16 --bf16 --train_iters=${CONVERGE_STEPS:-800} --window=100 \
     --data_path=/tmp/code_text_document \

@@ -1,8 +1,8 @@
 """FP8/FP4 on the GPU in one run: HLO checks, GEMM throughput per recipe next to bf16, llama3.2-3b tokens/s.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 scripts/bench_fp8.py \
+    PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m benchmarks.bench_fp8 \
         --out=$OUT/bench_fp8.json --budget_s=226 2>&1 | tee $OUT/log.txt     (no grep in the pipe: it buffers)
-    PYTHONPATH=. python scripts/bench_fp8.py --smoke   # small shapes, tiny model: checks the script off GPU
+    python -m benchmarks.bench_fp8 --smoke   # small shapes, tiny model: checks the script off GPU
 
 Sections, in priority order, each saved to the JSON as soon as it ends (a timeout keeps what finished):
   hlo     an FP8 (tensorwise) train step of a small model compiles to FP8 GEMMs (cuBLASLt `$f8`, or XLA's own
@@ -15,7 +15,6 @@ Sections, in priority order, each saved to the JSON as soon as it ends (a timeou
   hlo2    delayed / blockwise / nvfp4 train steps of the small model: which GEMM kernels each compiles to
 """
 
-import argparse
 import functools
 import gzip
 import json
@@ -25,9 +24,9 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from mjax.xla_flags import apply_defaults  # noqa: E402
+from mjax.xla_flags import apply_defaults
 
 apply_defaults()
 
@@ -41,10 +40,25 @@ from mjax.kernels.quant.fp8 import E4M3, quantize  # noqa: E402
 from mjax.kernels.quant.cast_transpose import cast_transpose, cast_transpose_local  # noqa: E402
 from mjax.kernels.quant.block_gemm import GemmTiles, block_gemm_pallas  # noqa: E402
 from mjax.kernels.quant import QuantPolicy, quantized_matmul  # noqa: E402
-from mjax.train.benchmark import synthetic_batch, time_fn  # noqa: E402
+from benchmarks.harness import synthetic_batch, time_fn  # noqa: E402
 from mjax.train.fp8_state import Fp8State  # noqa: E402
 from mjax.train.loop import build  # noqa: E402
 from mjax.train.metrics import flops_per_step  # noqa: E402
+
+flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "/tmp"), "bench_fp8.json"),
+                    "JSON results, rewritten after each section; HLO dumps go beside it.")
+flags.DEFINE_bool("smoke", False, "Small shapes, tiny model: checks the script off GPU.")
+flags.DEFINE_float("budget_s", 225.0, "Wall-clock budget: a section that would start past it is skipped.")
+flags.DEFINE_float("gemm_deadline_s", 200.0, "The gemm section skips the remaining recipes past this many seconds.")
+flags.DEFINE_list("gemm_cases", [], "Only the linear-layer rows whose recipe contains one of these, next to bf16's "
+                  "(e.g. blockwise); every row when empty.")
+flags.DEFINE_integer("e2e_batch", 8, "e2e: global batch size.")
+flags.DEFINE_integer("e2e_micro", None, "e2e: micro-batch size (default: the global batch).")
+flags.DEFINE_string("e2e_remat", "selective", "e2e: remat policy.")
+flags.DEFINE_integer("e2e_seq", 4096, "e2e: sequence length.")
+flags.DEFINE_integer("e2e_steps", 3, "e2e: timed steps per recipe.")
+flags.DEFINE_list("sections", ["hlo", "fp4_fold", "e2e", "gemm", "hlo2"], "Which sections to run, in order.")
+FLAGS = flags.FLAGS
 
 F8_CALL = "__cublas$lt$matmul$f8"
 T0 = time.perf_counter()
@@ -91,12 +105,12 @@ def compile_step(cfg, state=None):
     return setup, state, batch, compiled, compile_s
 
 
-def hlo_section(args, recipes) -> dict:
+def hlo_section(recipes) -> dict:
     out = {}
     for name, precision in recipes.items():
         try:
             _, state, batch, compiled, compile_s = compile_step(small_config(**precision))
-            with gzip.open(os.path.join(os.path.dirname(args.out), f"small_{name}.hlo.txt.gz"), "wt") as f:
+            with gzip.open(os.path.join(os.path.dirname(FLAGS.out), f"small_{name}.hlo.txt.gz"), "wt") as f:
                 f.write(compiled.as_text())
             losses = []
             for _ in range(3):
@@ -118,8 +132,8 @@ def fp4_fold_check() -> dict:
 
 # ---------------------------------------------------------------- GEMMs
 
-def gemm_section(args) -> dict:
-    n = 512 if args.smoke else 8192
+def gemm_section() -> dict:
+    n = 512 if FLAGS.smoke else 8192
     m = k = n
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -142,7 +156,7 @@ def gemm_section(args) -> dict:
         print(f"[{elapsed():6.1f}s] gemm {row}", flush=True)
         return t
 
-    cases = [c for c in args.gemm_cases.split(",") if c]
+    cases = FLAGS.gemm_cases
     if not cases:  # the single-GEMM rows: ceilings and the blockwise kernel alone
         wb = w.astype(jnp.bfloat16)
         bf16 = record("bf16 x bf16 -> bf16 (ceiling)", jax.jit(lambda a, b: a @ b), (x, wb), 1)
@@ -164,7 +178,7 @@ def gemm_section(args) -> dict:
             record(f"blockwise pallas GEMM {tiles}", jax.jit(
                 lambda a, sa, b, sb, t=tiles: block_gemm_pallas(a, sa, b, sb, out_dtype=jnp.bfloat16, interpret=interp,
                                                                 tiles=t)), (aq, sa, bq, sb), 1, bf16)
-            if args.smoke:
+            if FLAGS.smoke:
                 break
 
     def linear(policy):
@@ -189,8 +203,8 @@ def gemm_section(args) -> dict:
         if cases and not any(c in name for c in cases):
             continue
         record(f"linear fwd+dgrad+wgrad: {name}", linear(policy), (x, w, g), 3, base3)
-        if elapsed() > args.gemm_deadline_s:
-            rows.append({"case": "remaining recipes skipped", "reason": f"past {args.gemm_deadline_s}s"})
+        if elapsed() > FLAGS.gemm_deadline_s:
+            rows.append({"case": "remaining recipes skipped", "reason": f"past {FLAGS.gemm_deadline_s}s"})
             break
     out["rows"] = rows
     return out
@@ -198,10 +212,10 @@ def gemm_section(args) -> dict:
 
 # ---------------------------------------------------------------- quantization passes
 
-def quant_section(args) -> dict:
+def quant_section() -> dict:
     """The memory-bound work FP8 adds around each GEMM, on one [32768, 8192] bf16 activation (8 x 4096 tokens of a
     3B MLP): bytes moved per pass against a plain copy's rate measured in the same run."""
-    m, n = (1024, 512) if args.smoke else (32768, 8192)
+    m, n = (1024, 512) if FLAGS.smoke else (32768, 8192)
     x = jax.random.normal(jax.random.key(0), (m, n), jnp.bfloat16)
     scale = jnp.float32(100.0)
     rows = []
@@ -237,11 +251,11 @@ def quant_section(args) -> dict:
 CT_TILES = ((128, 128, 8), (128, 128, 4), (64, 256, 8), (64, 128, 4), (32, 128, 4), (128, 256, 8), (256, 64, 8))
 
 
-def ct_tiles_section(args) -> dict:
+def ct_tiles_section() -> dict:
     """The cast-transpose kernel's tile (rows, cols, warps) on the shapes a 3B FP8 step quantizes: the gate/up
     gradient, an activation, an f32 weight; GB/s moved against a copy of the same array in the same run."""
     interpret = jax.default_backend() != "gpu"
-    shapes = (((256, 512), jnp.bfloat16, jnp.float8_e5m2),) if args.smoke else (
+    shapes = (((256, 512), jnp.bfloat16, jnp.float8_e5m2),) if FLAGS.smoke else (
         ((32768, 16384), jnp.bfloat16, jnp.float8_e5m2), ((32768, 3072), jnp.bfloat16, E4M3),
         ((3072, 16384), jnp.float32, E4M3))
     rows = []
@@ -253,7 +267,7 @@ def ct_tiles_section(args) -> dict:
         rows.append({"shape": list(shape), "dtype": jnp.dtype(dtype).name, "case": "copy (ceiling)",
                      "us": round(copy * 1e6, 1), "GB/s": round(2 * size / copy / 1e9)})
         print(f"[{elapsed():6.1f}s] ct_tiles {rows[-1]}", flush=True)
-        for br, bc, warps in CT_TILES[:2] if args.smoke else CT_TILES:
+        for br, bc, warps in CT_TILES[:2] if FLAGS.smoke else CT_TILES:
             fn = jax.jit(functools.partial(cast_transpose_local, dtype=qdtype, interpret=interpret, tile=(br, bc),
                                            num_warps=warps))
             row = {"shape": list(shape), "dtype": jnp.dtype(dtype).name, "case": f"tile {br}x{bc}, {warps} warps"}
@@ -270,25 +284,25 @@ def ct_tiles_section(args) -> dict:
 
 # ---------------------------------------------------------------- end to end
 
-def e2e_section(args, results, save) -> dict:
-    if args.smoke:
+def e2e_section(results, save) -> dict:
+    if FLAGS.smoke:
         cfg = load_config("tiny").replace(train=dict(global_batch_size=4, seq_length=128),
                                           precision=dict(compute_dtype="bfloat16"))
     else:
         cfg = load_config("llama3.2-3b").replace(  # docs/performance.md's one-GPU bf16 row: 1.429 s, 22,938 tok/s
-            model=dict(remat_policy=args.e2e_remat),
-            train=dict(global_batch_size=args.e2e_batch, micro_batch_size=args.e2e_micro, seq_length=args.e2e_seq,
+            execution=dict(remat_policy=FLAGS.e2e_remat),
+            train=dict(global_batch_size=FLAGS.e2e_batch, micro_batch_size=FLAGS.e2e_micro, seq_length=FLAGS.e2e_seq,
                        train_iters=100))
     cfg = cfg.replace(data=dict(mock_data=True), logging=dict(progress=False))
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     flops = flops_per_step(cfg.model, cfg.train.global_batch_size, cfg.train.seq_length)
     out = {"config": {"model": cfg.model.name, "global_batch": cfg.train.global_batch_size,
                       "micro_batch": cfg.train.micro_batch_size, "seq": cfg.train.seq_length,
-                      "remat": cfg.model.remat_policy}}
+                      "remat": cfg.execution.remat_policy}}
     state = None
     for name, precision in (("bf16", {}), ("fp8_tensorwise", dict(fp8_recipe="tensorwise"))):
-        if elapsed() > args.budget_s - 50:  # a 3B step compiles in ~15-25 s, then 4 steps of ~1.5 s
-            out[name] = {"skipped": f"{elapsed():.0f}s of the {args.budget_s}s budget spent"}
+        if elapsed() > FLAGS.budget_s - 50:  # a 3B step compiles in ~15-25 s, then 4 steps of ~1.5 s
+            out[name] = {"skipped": f"{elapsed():.0f}s of the {FLAGS.budget_s}s budget spent"}
             break
         try:
             c = cfg.replace(precision=precision)
@@ -300,14 +314,14 @@ def e2e_section(args, results, save) -> dict:
             init_s = time.perf_counter() - t - compile_s
             state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
-            steps = 1 if args.smoke else args.e2e_steps
+            steps = 1 if FLAGS.smoke else FLAGS.e2e_steps
             t = time.perf_counter()
             for _ in range(steps):
                 state, metrics = compiled(state, batch)
             loss = float(metrics["loss"])
             dt = (time.perf_counter() - t) / steps
             hlo = compiled.as_text()
-            with gzip.open(os.path.join(os.path.dirname(args.out), f"e2e_{name}.hlo.txt.gz"), "wt") as f:
+            with gzip.open(os.path.join(os.path.dirname(FLAGS.out), f"e2e_{name}.hlo.txt.gz"), "wt") as f:
                 f.write(hlo)
             out[name] = {"step_s": round(dt, 4), "tokens_per_s": round(tokens / dt, 1),
                          "model_tflops": round(flops / dt / 1e12, 1), "mfu_989": round(flops / dt / 989e12, 4),
@@ -323,50 +337,38 @@ def e2e_section(args, results, save) -> dict:
     return out
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_fp8.json"))
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--budget_s", type=float, default=225.0)
-    p.add_argument("--gemm_deadline_s", type=float, default=200.0)
-    p.add_argument("--gemm_cases", default="", help="Comma-separated: only the linear-layer rows whose recipe "
-                   "contains one of these, next to bf16's (e.g. blockwise); every row when empty.")
-    p.add_argument("--e2e_batch", type=int, default=8)
-    p.add_argument("--e2e_micro", type=int, default=None)
-    p.add_argument("--e2e_remat", default="selective")
-    p.add_argument("--e2e_seq", type=int, default=4096)
-    p.add_argument("--e2e_steps", type=int, default=3)
-    p.add_argument("--sections", default="hlo,fp4_fold,e2e,gemm,hlo2", help="Which sections to run, in order.")
-    args = p.parse_args()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     results = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
     def save():
         results["elapsed_s"] = round(elapsed(), 1)
-        with open(args.out, "w") as f:
+        with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=1)
 
     sections = [
-        ("hlo", lambda: hlo_section(args, {"tensorwise": dict(fp8_recipe="tensorwise")})),
+        ("hlo", lambda: hlo_section({"tensorwise": dict(fp8_recipe="tensorwise")})),
         ("fp4_fold", fp4_fold_check),
-        ("e2e", lambda: e2e_section(args, results, save)),
-        ("gemm", lambda: gemm_section(args)),
-        ("quant", lambda: quant_section(args)),
-        ("ct_tiles", lambda: ct_tiles_section(args)),
-        ("hlo2", lambda: hlo_section(args, {"delayed": dict(fp8_recipe="delayed"),
+        ("e2e", lambda: e2e_section(results, save)),
+        ("gemm", gemm_section),
+        ("quant", quant_section),
+        ("ct_tiles", ct_tiles_section),
+        ("hlo2", lambda: hlo_section({"delayed": dict(fp8_recipe="delayed"),
                                             "blockwise": dict(fp8_recipe="blockwise"),
                                             "nvfp4": dict(fp4_recipe="nvfp4")})),
     ]
-    chosen = args.sections.split(",")
+    chosen = FLAGS.sections
     unknown = set(chosen) - {name for name, _ in sections}
     if unknown:
-        p.error(f"--sections: unknown {sorted(unknown)}")
+        raise app.UsageError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(n for n, _ in sections)}")
     for name, fn in sections:
         if name not in chosen:
             continue
-        if elapsed() > args.budget_s - 10:
-            results[name] = {"skipped": f"{elapsed():.0f}s of the {args.budget_s}s budget spent"}
+        if elapsed() > FLAGS.budget_s - 10:
+            results[name] = {"skipped": f"{elapsed():.0f}s of the {FLAGS.budget_s}s budget spent"}
             continue
         try:
             results[name] = fn()
@@ -378,4 +380,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,15 +1,14 @@
 """Checkpoint cost on the real model: how long an async save holds the train loop, how long the write takes while
 training continues, how long a synchronous save would hold it, and how long a restore onto the current mesh takes.
 
-    PYTHONPATH=. python3 scripts/bench_checkpoint.py --out=ckpt.json            # llama3.2-1b, mock data, GPU
-    python3 scripts/bench_checkpoint.py --config=tiny --seq_length=128 --batch=8  # a quick CPU check
+    python3 -m benchmarks.bench_checkpoint --out=ckpt.json            # llama3.2-1b, mock data, GPU
+    python3 -m benchmarks.bench_checkpoint --config=tiny --seq_length=128 --batch=8  # a quick CPU check
 
 "loop held" = the save() call plus the extra time of the next step over the median step (the device-to-host copy
 is what blocks; the write to disk runs in Orbax's background thread). The first save of a process also pays one-time
 set-up (Orbax jit-compiles its shard-slicing helpers), so two async saves are timed.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -19,11 +18,20 @@ import time
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags
 
 from mjax.train.loop import checkpointer
 from mjax.config import load_config
-from mjax.train.benchmark import synthetic_batch
+from benchmarks.harness import synthetic_batch
 from mjax.train.loop import build
+
+flags.DEFINE_string("config", "llama3.2-1b", "Preset name or config file.")
+flags.DEFINE_integer("seq_length", 4096, "Sequence length.")
+flags.DEFINE_integer("batch", 8, "Global batch size.")
+flags.DEFINE_string("remat_policy", "selective", "Activation recomputation policy.")
+flags.DEFINE_string("dir", None, "Where checkpoints go (a temporary directory by default).")
+flags.DEFINE_string("out", None, "JSON results.")
+FLAGS = flags.FLAGS
 
 
 def _blocked(fn, *args):
@@ -37,19 +45,13 @@ def _dir_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="llama3.2-1b")
-    ap.add_argument("--seq_length", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--remat_policy", default="selective")
-    ap.add_argument("--dir", default=None, help="Where checkpoints go (a temporary directory by default).")
-    ap.add_argument("--out", default=None, help="JSON results.")
-    args = ap.parse_args()
-    root = args.dir or tempfile.mkdtemp(prefix="mjax_bench_ckpt_")
-    cfg = load_config(args.config).replace(
-        model=dict(remat_policy=args.remat_policy),
-        train=dict(global_batch_size=args.batch, seq_length=args.seq_length, train_iters=1000),
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    root = FLAGS.dir or tempfile.mkdtemp(prefix="mjax_bench_ckpt_")
+    cfg = load_config(FLAGS.config).replace(
+        execution=dict(remat_policy=FLAGS.remat_policy),
+        train=dict(global_batch_size=FLAGS.batch, seq_length=FLAGS.seq_length, train_iters=1000),
         data=dict(mock_data=True), logging=dict(progress=False),
         checkpoint=dict(save=os.path.join(root, "async"), async_save=True, keep=1))
     setup = build(cfg)
@@ -73,7 +75,7 @@ def main():
     for label in ("async save 1 (first: one-time set-up)", "async save 2"):
         reference = jax.tree.map(jnp.copy, state) if label.endswith("2") else None
         saved_step, t0 = step, time.perf_counter()
-        ckpt.save(step, state, step * args.batch)
+        ckpt.save(step, state, step * FLAGS.batch)
         call = time.perf_counter() - t0
         after, done = [], None
         while len(after) < 40 and (done is None or len(after) < 3):
@@ -90,7 +92,7 @@ def main():
     size = _dir_bytes(os.path.join(root, "async", str(saved_step)))
 
     # Restore the second async checkpoint onto the current mesh and check it is the state it was taken from.
-    load_cfg = cfg.replace(checkpoint=dict(save=None, load=os.path.join(root, "async"), load_step=saved_step))
+    load_cfg = cfg.replace(checkpoint=dict(save=None, load=os.path.join(root, "async"), ckpt_step=saved_step))
     t0 = time.perf_counter()
     restored, _ = checkpointer(setup, load_cfg).restore_or_init()
     jax.block_until_ready(restored)
@@ -103,11 +105,11 @@ def main():
     sync_cfg = cfg.replace(checkpoint=dict(save=os.path.join(root, "sync"), async_save=False, keep=1))
     sync = checkpointer(setup, sync_cfg)
     t0 = time.perf_counter()
-    sync.save(step, state, step * args.batch, wait=True)
+    sync.save(step, state, step * FLAGS.batch, wait=True)
     sync_s = time.perf_counter() - t0
     sync.close()
 
-    result = dict(config=args.config, seq_length=args.seq_length, global_batch_size=args.batch,
+    result = dict(config=FLAGS.config, seq_length=FLAGS.seq_length, global_batch_size=FLAGS.batch,
                   device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
                   checkpoint_bytes=size, init_s=init_s, median_step_s=base, saves=saves,
                   sync_save_s=sync_s, restore_s=restore_s, restored_equals_saved=same,
@@ -115,10 +117,10 @@ def main():
                   jax=jax.__version__)
     print(_table(result))
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
             json.dump(result, f, indent=2)
-    if not args.dir:
+    if not FLAGS.dir:
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -141,4 +143,4 @@ def _table(r) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

@@ -1,6 +1,6 @@
 """Benchmark a preset's train step on synthetic data: one table, plus the same as JSON.
 
-  python scripts/benchmark.py --config=llama3.2-1b --steps=10 --sweep="remat_policy=selective,none;micro_batch_size=2,4"
+  python -m benchmarks.benchmark --config=llama3.2-1b --steps=10 --sweep="remat_policy=selective,none;micro_batch_size=2,4"
 
 Each sweep dimension is `field=v1,v2` over Config fields (dotted, or the short flag names); dimensions are
 separated by `;` and combined as a grid; a tuple field's value joins its items with `+`
@@ -98,7 +98,7 @@ def apply_case(cfg, case: dict):
 
 
 def _failed(name, error):
-    from mjax.train.benchmark import Result  # noqa: PLC0415
+    from benchmarks.harness import Result  # noqa: PLC0415
 
     nan = float("nan")
     return Result(name, nan, nan, nan, None, nan, nan, nan, nan, error=str(error).splitlines()[0])
@@ -109,7 +109,7 @@ def main(argv):
     setup_logging()
     import jax  # noqa: PLC0415
 
-    from mjax.train.benchmark import format_table, matmul_ceiling_tflops, run_baseline, run_case  # noqa: PLC0415
+    from benchmarks.harness import format_table, matmul_ceiling_tflops, run_baseline, run_case  # noqa: PLC0415
 
     try:
         base = config_from_flags()

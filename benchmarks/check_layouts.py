@@ -1,6 +1,6 @@
 """Every parallel layout that fits the devices gives the one-device losses: a table, on CPU or GPU.
 
-  python scripts/check_layouts.py --steps=5 [--json_out=layouts.json]
+  python -m benchmarks.check_layouts --steps=5 [--json_out=layouts.json]
 
 Runs a small Llama-style model in fp32 (matmuls at full precision) on the same synthetic batches for every layout:
 one compile of the train step per layout, nothing else (GEMM autotuning off: the model is tiny and the check is
@@ -35,7 +35,7 @@ def layouts(n: int) -> dict:
 
 def step_losses(cfg, devices, steps: int) -> list[float]:
     """Losses of `steps` train steps of cfg on `devices`, on the synthetic batches of seeds 0..steps-1."""
-    from mjax.train.benchmark import synthetic_batch  # noqa: PLC0415
+    from benchmarks.harness import synthetic_batch  # noqa: PLC0415
     from mjax.train.loop import build  # noqa: PLC0415
 
     setup = build(cfg, devices)

@@ -1,19 +1,16 @@
 """Bandwidth of the fused QKV gradient's assembly (dQ, dK rotated back by RoPE, dV -> [B, T, K, G + 2, H]): XLA's
-autodiff of the split (a concatenate fusion) against the Pallas kernel (--model.qkv_grad_impl=pallas), with a
+autodiff of the split (a concatenate fusion) against the Pallas kernel (--qkv_grad_impl=pallas), with a
 copy of the same bytes as the ceiling, measured in the same run. Default shapes: llama3.2-3b, 8 x 4096 tokens.
 
-    PYTHONPATH=. python scripts/bench_qkv_grad.py [--smoke] [--out=qkv_grad.json]
+    python -m benchmarks.bench_qkv_grad [--smoke] [--out=qkv_grad.json]
 """
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from mjax.xla_flags import apply_defaults  # noqa: E402
+from mjax.xla_flags import apply_defaults
 
 apply_defaults()
 
@@ -23,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from mjax.kernels.qkv_rope_grad.pallas import qkv_rope_grad  # noqa: E402
 from mjax.kernels.qkv_rope_grad import split_rotate  # noqa: E402
 from mjax.model.rope import rope_cos_sin  # noqa: E402
-from mjax.train.benchmark import time_fn  # noqa: E402
+from benchmarks.harness import time_fn  # noqa: E402
 
 flags.DEFINE_bool("smoke", False, "Small shapes, kernel interpreted: checks the script off GPU.")
 flags.DEFINE_string("out", "", "Write the rows as JSON here.")

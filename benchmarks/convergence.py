@@ -1,10 +1,10 @@
 """Loss curves of one model trained with each precision recipe from the same init and data, against bf16's.
 
-  python scripts/convergence.py --config=tiny --train_iters=500 --recipes=bf16,tensorwise,delayed,nvfp4 --window=50
+  python -m benchmarks.convergence --config=tiny --train_iters=500 --recipes=bf16,tensorwise,delayed,nvfp4 --window=50
 
 Every config flag of train.py applies to all runs (the data: the bundled corpus unless --data_path is given; the
 bundled 0.35M tokens are memorized within a few hundred steps, so longer runs want a larger corpus, e.g. the Python
-source installed on the machine through scripts/source_corpus.py).
+source installed on the machine through tools/source_corpus.py).
 Prints one table: the mean loss of each window of --window steps per recipe, and each recipe's largest window
 difference from the first recipe (bf16), then writes the same as JSON (--out).
 """
@@ -32,7 +32,7 @@ RECIPES = {  # name -> the config of its run, from the base config
     "bf16_seed": lambda cfg: cfg.replace(train=dict(seed=cfg.train.seed + 1)),
     "tensorwise": _precision(fp8_recipe="tensorwise"),
     "tensorwise_head": lambda cfg: cfg.replace(precision=dict(fp8_recipe="tensorwise", quantize_output_layer=True),
-                                               model=dict(cross_entropy_impl="fused")),
+                                               execution=dict(cross_entropy_impl="fused")),
     "delayed": _precision(fp8_recipe="delayed"),
     "blockwise": _precision(fp8_recipe="blockwise"),
     "nvfp4": _precision(fp4_recipe="nvfp4"),

@@ -1,7 +1,7 @@
 """Rebuilds mjax/assets/sample_tokenizer.json from the bundled corpus (a byte-level BPE, 1024 tokens).
 
 The corpus itself, mjax/assets/sample_corpus.jsonl.gz, is English prose from CPython's standard-library docstrings
-(PSF licence), one document per line. Run: python scripts/build_sample_assets.py
+(PSF licence), one document per line. Run: python -m tools.build_sample_assets
 """
 import gzip
 import json

@@ -1,4 +1,5 @@
-"""Throughput benchmark of the real train step on synthetic data, with the matmul ceiling measured in the same run."""
+"""The benchmarks' shared harness: one timing helper, one matmul ceiling, and the throughput of the real train step
+on synthetic data (with the ceiling measured in the same run), printed as one table."""
 
 import dataclasses
 import time
@@ -57,7 +58,7 @@ class Result:
     loss: float
     compiled_gib: float = float("nan")  # XLA's own estimate for this step: arguments + outputs + temporaries
     error: str | None = None
-    profile: object = None  # mjax.train.profile.Profile when asked for
+    profile: object = None  # benchmarks.profile.Profile when asked for
 
 
 def compiled_memory_gib(compiled) -> float:
@@ -70,7 +71,7 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
     """Compiles the step, runs 2 warm-up steps, then times `steps` steps (blocking once at the end).
     `hlo_path` receives the compiled (scheduled) HLO, gzipped, to see which collectives overlap compute;
     `compiler_options` are XLA options for this case's compile; `profile_steps` > 0 traces that many more steps
-    and attaches where their device time went (mjax.train.profile)."""
+    and attaches where their device time went (benchmarks/profile.py)."""
     setup = build(cfg, devices)
     state = setup.init_state(cfg.train.seed)
     batch = synthetic_batch(cfg, setup)
@@ -90,7 +91,7 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
     dt = (time.perf_counter() - t0) / steps
     profile = None
     if profile_steps:
-        from mjax.train.profile import profile_step  # noqa: PLC0415
+        from benchmarks.profile import profile_step  # noqa: PLC0415
 
         box = [state]
 
@@ -108,8 +109,8 @@ def run_case(name: str, cfg, steps: int, ceiling: float, devices=None, hlo_path=
 
 
 def run_baseline(cfg, steps: int, ceiling: float) -> Result:
-    """The plain-JAX step of mjax.train.baseline on cfg's shapes, on one device, timed like run_case."""
-    from mjax.train import baseline  # noqa: PLC0415
+    """The plain-JAX step of benchmarks/baseline.py on cfg's shapes, on one device, timed like run_case."""
+    from benchmarks import baseline  # noqa: PLC0415
 
     m, t = cfg.model, cfg.train
     params = baseline.init(m, jax.random.key(0))
