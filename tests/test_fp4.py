@@ -61,7 +61,7 @@ def test_pallas_fused_kernel_matches_reference(recipe):
 
 
 def test_round_trip_is_not_folded_away():
-    """On GPU XLA folds f32 -> e2m1 -> f32 into a no-op unless an optimization barrier holds it (DESIGN.md; the CPU
+    """On GPU XLA folds f32 -> e2m1 -> f32 into a no-op unless an optimization barrier holds it (docs/fp8.md; the CPU
     pipeline does not fold, so here we check that the barrier and the casts reach the compiled HLO, and
     benchmarks/bench_fp8.py shows the fold on the GPU)."""
     x = jnp.asarray(_data())

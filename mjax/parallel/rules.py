@@ -9,7 +9,7 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
-    """The one table mapping logical names to mesh axes (see DESIGN.md)."""
+    """The one table mapping logical names to mesh axes (docs/design.md)."""
     seq_parallel = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     return {
         "batch": BATCH_AXES,

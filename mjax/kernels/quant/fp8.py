@@ -10,7 +10,7 @@ x ~= q / scale. `fp8_matmul(x, w, meta)` runs all three GEMMs of a linear layer 
 The FP8 operands go straight into `lax.dot_general` and the product is multiplied by the inverse scales in its own
 dtype: the form XLA rewrites into one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) with that factor as its scale.
 The GEMMs quantize with the recipe's scale rounded down to a power of two, so the factor is exact in bf16. (A bf16
-dequantize would not be rewritten, DESIGN.md; an f32 one, `convert(q) * s` at the dot, is folded away by XLA's
+dequantize would not be rewritten, docs/fp8.md; an f32 one, `convert(q) * s` at the dot, is folded away by XLA's
 simplifier, which drops the FP8 round trip, unless a barrier stands between, and then was not rewritten either:
 f32 GEMMs, 2.5x slower steps, jax 0.11.2.)
 Every operand is quantized into the layouts its GEMMs read; with impl=pallas one cast-transpose pass writes
