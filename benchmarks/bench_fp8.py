@@ -172,7 +172,7 @@ def gemm_section() -> dict:
         aq, sa, _ = fp8_blockwise.quantize_rows(x, E4M3)
         bq, sb, _ = fp8_blockwise.quantize_tiles(w, E4M3)
         bq, sb = bq.T, fp8_blockwise.expand_cols(sb)  # [N, K]: K-major
-        # H200, jax 0.11.2 (first run): 128x128 w8 s3 325 TF/s, 128x128 w4 s4 216, 128x256 w8 s3 203, 64x128 w4 s4 328.
+        # The two fastest tiles of a first sweep on the GPU (docs/fp8.md).
         for tiles in (GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 4)):
             interp = jax.default_backend() != "gpu"
             record(f"blockwise pallas GEMM {tiles}", jax.jit(
@@ -289,7 +289,7 @@ def e2e_section(results, save) -> dict:
         cfg = load_config("tiny").replace(train=dict(global_batch_size=4, seq_length=128),
                                           precision=dict(compute_dtype="bfloat16"))
     else:
-        cfg = load_config("llama3.2-3b").replace(  # docs/performance.md's one-GPU bf16 row: 1.429 s, 22,938 tok/s
+        cfg = load_config("llama3.2-3b").replace(  # the preset of docs/performance.md's one-GPU rows
             execution=dict(remat_policy=FLAGS.e2e_remat),
             train=dict(global_batch_size=FLAGS.e2e_batch, micro_batch_size=FLAGS.e2e_micro, seq_length=FLAGS.e2e_seq,
                        train_iters=100))
@@ -301,7 +301,7 @@ def e2e_section(results, save) -> dict:
                       "remat": cfg.execution.remat_policy}}
     state = None
     for name, precision in (("bf16", {}), ("fp8_tensorwise", dict(fp8_recipe="tensorwise"))):
-        if elapsed() > FLAGS.budget_s - 50:  # a 3B step compiles in ~15-25 s, then 4 steps of ~1.5 s
+        if elapsed() > FLAGS.budget_s - 50:  # room for a row: a 3B compile and 4 steps (times: docs/fp8.md)
             out[name] = {"skipped": f"{elapsed():.0f}s of the {FLAGS.budget_s}s budget spent"}
             break
         try:

@@ -11,15 +11,15 @@ GPU_DEFAULTS = (
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
     # Every GEMM to cuBLAS(Lt). With Triton GEMM fusions on, XLA took the FP8 output-layer GEMM of the fused loss
-    # (f32 logits) into a Triton fusion: its autotuning ran past 250 s of compile, untuned it ran at 1.27 s a 1B
-    # step. Off: the 3B FP8 step compiles in 27 s; 3B steps 0.75-0.8% faster, 1B unchanged (docs/performance.md).
+    # (f32 logits) into a Triton fusion whose autotuning stalled the compile and which ran far slower untuned; off,
+    # FP8 steps compile quickly and no step is slower (docs/performance.md "XLA flags", docs/fp8.md).
     "--xla_gpu_enable_triton_gemm=false",
 )
 
 
-# JAX's allocator takes 75% of GPU memory by default; the llama3.2-3b preset at 8 x 4096 tokens needs ~79 GiB of an
-# H200's 140. mjax's training and benchmark scripts let the allocator take 95% (the rest: CUDA context, cuDNN/cuBLAS
-# workspaces and NCCL buffers).
+# JAX's allocator takes 75% of GPU memory by default, too little for the llama3.2-3b preset at 8 x 4096 tokens
+# (XLA's estimate of its step: docs/performance.md). mjax's training and benchmark scripts let the allocator take
+# 95% (the rest: CUDA context, cuDNN/cuBLAS workspaces and NCCL buffers).
 GPU_MEM_FRACTION = "0.95"
 
 

@@ -11,10 +11,10 @@ bytes are read from the byte range the file's header gives them (the layout the 
 little-endian header length, the JSON header, then the data) and viewed as the ml_dtypes type.
 
 Writing: the library's `save_file` writes a whole file from arrays in memory, so a shard's tensors would wait in
-memory until its last one arrives (up to one shard, 5 GB by default: Llama-3-8B export peaked at 10.6 GB with it
-against 5.9 GB streamed; docs/convert.md). The writer here plans every shard's header up front, pre-sizes the file
-and writes each tensor into its byte range as it arrives, so it holds nothing. A shard is written as
-`<name>.incomplete` and renamed when its last tensor is in, so a shard under its real name is always whole.
+memory until its last one arrives (up to one shard, 5 GB by default; docs/convert.md measures both writers). The
+writer here plans every shard's header up front, pre-sizes the file and writes each tensor into its byte range as it
+arrives, so it holds nothing. A shard is written as `<name>.incomplete` and renamed when its last tensor is in, so a
+shard under its real name is always whole.
 """
 
 import json

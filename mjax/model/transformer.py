@@ -66,8 +66,8 @@ def scan_runner(layer, x, xs, extra_names=()):
 
 def split_stacked(tree, sizes):
     """A tree of stacked [L, ...] leaves -> one tree per run of `sizes` layers. Split, not indexing: the gradient
-    of a split is one concatenate, that of L index ops is L zero-padded full-size copies added up (an unrolled
-    3B step spent ~45 ms in those additions)."""
+    of a split is one concatenate, that of L index ops is L zero-padded full-size copies added up (their cost in an
+    unrolled step: docs/performance.md)."""
     if len(sizes) == 1:
         return [tree]
     leaves, treedef = jax.tree.flatten(tree)

@@ -86,8 +86,8 @@ def _streaming_context():
     """Options that keep host memory at one copy of each chunk and the write fast:
     - no defensive deep copy of the host arrays (each chunk is ours and dropped after its save);
     - one zarr chunk per array even above Orbax's 2 GiB default file size, where tensorstore would otherwise copy
-      the whole array into chunk buffers (measured: peak 2x the array);
-    - no zstd (several times slower on a small CPU, ~10% smaller for bf16 weights; readers handle both)."""
+      the whole array into chunk buffers (docs/convert.md);
+    - no zstd (much slower on a small CPU for little size gained, docs/convert.md; readers handle both)."""
     from orbax.checkpoint.experimental import v1  # noqa: PLC0415
 
     opts = v1.options

@@ -1,7 +1,7 @@
 """The one-GPU MoE benchmark: Qwen3-30B-A3B's layer geometry (hidden 2048, 128 experts top-8, expert FFN 768, GQA
 32/4, head dim 128) with the 8 layers whose training fits one H200 at sequence 4096: 5.6B parameters, fp32 master
-weights, gradients and Adam moments (~16 bytes a parameter), one micro-batch of 8 sequences without recomputation,
-108 GiB by XLA's estimate (docs/moe.md; 10 layers would not fit)."""
+weights, gradients and Adam moments (~16 bytes a parameter), one micro-batch of 8 sequences without recomputation
+(docs/moe.md has XLA's memory estimate; 10 layers do not fit)."""
 from mjax.config import load_config
 
 

@@ -1,6 +1,6 @@
 """The pure-JAX grouped matmul (impl="xla"): `lax.ragged_dot` accumulated in float32, gradients by its autodiff.
-It runs anywhere and is the dispatch's CPU default; on the GPU image it expands to dense work (about 10x slower
-than the Pallas kernels), so it is never the GPU default.
+It runs anywhere and is the dispatch's CPU default; on the GPU image it expands to dense work (far slower than the
+Pallas kernels, docs/moe.md), so it is never the GPU default.
 
 ragged_dot batches only when every operand has the batch at axis 0 ("vmap over any dim but 0 - NYI"), so a vmap
 with w shared would fail. The forward and its autodiff vjp are therefore each wrapped in a vmap rule that

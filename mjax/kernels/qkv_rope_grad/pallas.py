@@ -2,8 +2,8 @@
 
 The fused projection's output is grouped per KV head, [B, T, K, G + 2, H] (G query heads, then K, then V, so that
 tensor parallelism splits it by KV head). Its gradient assembles dQ and dK, each rotated back, and dV into that
-layout. Left to XLA it is a concatenate fusion, which XLA emits one operand at a time: 1.4 TB/s in the 3B step
-(13.4 ms per step), 1.9 TB/s alone, against a 3.3 TB/s copy of the same bytes (docs/performance.md). Here each
+layout. Left to XLA it is a concatenate fusion, which XLA emits one operand at a time, well below the rate of a copy
+of the same bytes (docs/performance.md). Here each
 program reads a [bt, H] tile of every slot of one KV group once and writes the group's [bt, G + 2, H] output.
 
 RoPE's backward, halves (1, 2) of the head dim: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin, in f32 (the

@@ -3,7 +3,7 @@
 cuBLASLt's FP8 GEMMs read both operands K-major, so a linear layer needs x as [M, K] (forward) and [K, M] (wgrad),
 w as [N, K] (forward) and [K, N] (dgrad), and its output gradient as [M, N] (dgrad) and [N, M] (wgrad). Left to
 XLA, the transposed copy is a pass of its own over the FP8 tensor (and XLA re-derives it that way even when the
-code asks for quantize(x.T)); weights came out at ~300 GB/s. Here each program reads one [64, 256] tile once and
+code asks for quantize(x.T)), slowest for the weights (docs/fp8.md). Here each program reads one [64, 256] tile once and
 writes the quantized tile and its transpose.
 
 Sharding: `per_shard` with the rule "i j, s -> i j, j i", so under a mesh each device quantizes its own shard and
@@ -19,9 +19,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from mjax.kernels.per_shard import per_shard
 
-# [rows, cols] of a tile. Measured on an H200 against 128 x 128 (the square tile): 3,749 vs 3,560 GB/s on
-# [32768, 16384] bf16, 3,578 vs 3,350 on [32768, 3072], 3,376 vs 3,003 on an f32 [3072, 16384] weight; a copy
-# of the same bytes ran at 3,213-4,012 (docs/fp8.md).
+# [rows, cols] of a tile: faster on a GPU than the square 128 x 128 on the activation, gradient and f32 weight shapes
+# of a step (the sweep is in docs/fp8.md).
 TILE = (64, 256)
 
 

@@ -12,7 +12,7 @@ dtype: the form XLA rewrites into one cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`
 The GEMMs quantize with the recipe's scale rounded down to a power of two, so the factor is exact in bf16. (A bf16
 dequantize would not be rewritten, docs/fp8.md; an f32 one, `convert(q) * s` at the dot, is folded away by XLA's
 simplifier, which drops the FP8 round trip, unless a barrier stands between, and then was not rewritten either:
-f32 GEMMs, 2.5x slower steps, jax 0.11.2.)
+f32 GEMMs, far slower steps on jax 0.11.2, docs/fp8.md.)
 Every operand is quantized into the layouts its GEMMs read; with impl=pallas one cast-transpose pass writes
 both (`fp8_cast_transpose.py`). The forward saves the FP8 copies of x (transposed) and w for the backward, half the
 bytes of bf16 residuals.
@@ -47,8 +47,7 @@ def fp8_max(dtype) -> float:
 def amax(x, words: bool = False) -> jax.Array:
     """max |x| as f32; NaN propagates. `words`: 16-bit x [..., 2n] is read as n 32-bit words and the magnitudes
     compared as integers (the same value), for a tensor its producer writes as words (SwiGLU's packed backward):
-    XLA then takes the reduction in the pass that writes them instead of reading the tensor again (3B tensorwise
-    step: 6.6 ms less, docs/fp8.md)."""
+    XLA then takes the reduction in the pass that writes them instead of reading the tensor again (docs/fp8.md)."""
     if words and x.dtype.itemsize == 2 and x.ndim and x.shape[-1] % 2 == 0:
         w = lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)  # [..., n]
         mags = jnp.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF)  # sign bits cleared; ordered like the values, NaN on top

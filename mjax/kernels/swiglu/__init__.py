@@ -18,7 +18,7 @@ def _swiglu_packed(y):
     """16-bit pairs: the backward views each (gate, up) pair as one 32-bit word, so computing both gradients is
     one elementwise pass that reads each pair once and writes it once. Autodiff splits y and concatenates the two
     gradients, which XLA emits one operand at a time (inputs read twice, every other element written) after a
-    separate pass for the sigmoid: twice the time on an H200."""
+    separate pass for the sigmoid: far slower on a GPU (docs/performance.md)."""
     return jax.nn.silu(y[..., 0]) * y[..., 1]
 
 
