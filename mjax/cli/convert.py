@@ -38,13 +38,13 @@ flags.DEFINE_string("input", None, "Source directory (HF model directory or mjax
 flags.DEFINE_string("output", None, "Destination directory (created).")
 flags.DEFINE_enum("dtype", "source", ["source", "float32", "bfloat16", "float16"],
                   "Dtype of the written tensors; `source` keeps each tensor's stored dtype.")
-flags.DEFINE_string("architecture", None, "mjax_to_hf: HF architecture to write (default: the source HF config's, "
-                    "else inferred from the model: GPT2LMHeadModel, Qwen2ForCausalLM, MistralForCausalLM, "
-                    "LlamaForCausalLM; with --num_experts OlmoeForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
-                    "DeepseekForCausalLM or MixtralForCausalLM).")
+flags.DEFINE_string("architecture", None, "mjax_to_hf: the HF architecture to write, LlamaForCausalLM, "
+                    "MistralForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+                    "Qwen3MoeForCausalLM, OlmoeForCausalLM or DeepseekForCausalLM (default: the source HF config's, "
+                    "else inferred).")
 flags.DEFINE_integer("ckpt_step", None, "mjax_to_hf from a training checkpoint: the step (default: latest).")
-flags.DEFINE_boolean("skip_tokenizer", False, "mjax_to_hf: write no tokenizer files (needed for a run trained with "
-                     "--tokenizer_type=tiktoken, which has no tokenizer.json form).")
+flags.DEFINE_boolean("skip_tokenizer", False, "mjax_to_hf: write no tokenizer files (needed after "
+                     "--tokenizer_type=tiktoken).")
 flags.DEFINE_integer("max_shard_size_mb", 5000, "mjax_to_hf: largest safetensors shard, in MB.", lower_bound=1)
 flags.mark_flags_as_required(["direction", "input", "output"])
 FLAGS = flags.FLAGS

@@ -48,11 +48,12 @@ def define_config_flags() -> None:
     flags.DEFINE_boolean("bf16", None, "Compute in bfloat16 (the default).")
     flags.DEFINE_boolean("fp16", None, "Compute in float16 with dynamic loss scaling.")
     for section, f, typ in _fields():
-        help_text = f.metadata.get("help", "") or f"{section}.{f.name}"
+        dotted, help_text = f"{section}.{f.name}", f.metadata.get("help", "")
         define = flags.DEFINE_boolean if typ is bool else flags.DEFINE_string  # --flag / --noflag for booleans
-        define(f"{section}.{f.name}", None, help_text)
-        if "flag" in f.metadata:
-            define(f.metadata["flag"], None, f"Alias of --{section}.{f.name}. {help_text}")
+        define(dotted, None, help_text or dotted)
+        if "flag" in f.metadata:  # one line either way, as --helpfull lists it
+            alias = f"{help_text.rstrip('.')} (alias of --{dotted})." if help_text else f"Alias of --{dotted}."
+            define(f.metadata["flag"], None, alias)
 
 
 def config_from_flags(base: Config | None = None) -> Config:

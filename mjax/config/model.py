@@ -40,8 +40,8 @@ class ModelConfig:
     add_bias_linear: bool = field(False, "add_bias_linear", "Biases on every linear layer (GPT-2).")
     add_qkv_bias: bool = field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
     untie_embeddings_and_output_weights: bool = field(True, "untie_embeddings_and_output_weights")
-    window_size: int | None = field(None, "window_size", "Sliding-window attention: each query sees this many "
-                                    "positions up to its own (Mistral); None means full causal attention.")
+    window_size: int | None = field(None, "window_size", "Sliding-window attention: positions each query sees, its "
+                                    "own included (Mistral); None: full causal attention.")
     qk_layernorm: bool = field(False, "qk_layernorm", "Normalize queries and keys (--normalization) per head before "
                                "RoPE (Qwen3).")
     qk_layernorm_across_heads: bool = field(
@@ -75,12 +75,12 @@ class ModelConfig:
     moe_aux_loss_coeff: float = field(0.0, "moe_aux_loss_coeff")
     moe_z_loss_coeff: float = field(0.0, "moe_z_loss_coeff")
     moe_router_enable_expert_bias: bool = field(
-        False, "moe_router_enable_expert_bias", "Aux-loss-free balancing: a per-expert bias added to the scores for "
-        "the top-k choice only, updated every step towards equal load.")
+        False, "moe_router_enable_expert_bias", "Aux-loss-free balancing: a per-expert bias on the top-k choice's "
+        "scores, moved each step towards equal load.")
     moe_router_bias_update_rate: float = field(1e-3, "moe_router_bias_update_rate")
     moe_router_force_load_balancing: bool = field(
-        False, "moe_router_force_load_balancing", "Benchmark mode: route to balanced experts regardless of the "
-        "router (the published MoE throughput tables use it).")
+        False, "moe_router_force_load_balancing", "Benchmark mode: route to balanced experts, whatever the router "
+        "says.")
     moe_expert_capacity_factor: float | None = field(
         None, "moe_expert_capacity_factor", "None: dropless; else each expert takes at most this factor times its "
         "even share of the routed tokens.")

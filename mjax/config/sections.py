@@ -18,10 +18,8 @@ class ParallelConfig:
     pp: int = field(1, "pp", "Pipeline-parallel size.")
     vpp: int = field(1, "vpp", "Virtual pipeline stages per device (Megatron's interleaved schedule).")
     pipeline_schedule: str | None = field(
-        None, "pipeline_schedule",
-        "gpipe | 1f1b | interleaved: all forwards then all backwards; one forward and one backward per tick "
-        "(activation memory bounded by --pp, not by micro-batches); --vpp virtual stages per device, visited "
-        "circularly. Unset: interleaved when --vpp > 1, else 1f1b.")
+        None, "pipeline_schedule", "gpipe | 1f1b | interleaved (needs --vpp > 1); unset: interleaved when --vpp > 1, "
+        "else 1f1b (docs/parallelism.md).")
     decoder_first_pipeline_num_layers: int | None = field(
         None, "decoder_first_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
     decoder_last_pipeline_num_layers: int | None = field(
@@ -50,8 +48,8 @@ class PrecisionConfig:
     hysteresis: int = field(2, "hysteresis")
     # FP8 / FP4 linear layers (mjax/kernels/quant/). Unset recipes train every GEMM in compute_dtype.
     fp8_recipe: str | None = field(
-        None, "fp8_recipe", "delayed | tensorwise | blockwise: FP8 GEMMs (forward, dgrad, wgrad) with scales from an "
-        "amax history, from this step's amax, or per 1x128 activation / 128x128 weight block.")
+        None, "fp8_recipe", "delayed | tensorwise | blockwise: FP8 GEMMs scaled from an amax history, from this "
+        "step's amax, or per 1x128 / 128x128 block.")
     fp8_format: str = field("hybrid", "fp8_format", "e4m3 (every GEMM operand) | hybrid (e4m3 forward, e5m2 grads).")
     fp8_amax_history_len: int = field(1, "fp8_amax_history_len", "Steps of amax history (delayed scaling).")
     fp8_amax_compute_algo: str = field("most_recent", "fp8_amax_compute_algo",
@@ -59,28 +57,23 @@ class PrecisionConfig:
     fp8_margin: int = field(0, "fp8_margin", "Scales are divided by 2^margin (headroom against overflow).")
     fp8_log_stats: bool = field(False, "fp8_log_stats", "Log FP8 amax/scale statistics at each logged step.")
     fp8_keep_casts: bool = field(
-        True, "fp8_keep_casts", "Under --remat_policy=selective with per-tensor FP8 (delayed | tensorwise), also keep "
-        "each GEMM's FP8 operands and scales (remat name fp8_cast) for its backward, as Transformer Engine keeps its "
-        "FP8 copies, instead of recomputing the amaxes and casts there (1 byte an element; --nofp8_keep_casts "
-        "trades that memory for the recompute).")
+        True, "fp8_keep_casts", "With --remat_policy=selective and per-tensor FP8, keep each GEMM's FP8 operands for "
+        "its backward (remat name fp8_cast; on by default) instead of recomputing them.")
     fp4_recipe: str | None = field(
-        None, "fp4_recipe", "nvfp4 | mxfp4: e2m1 GEMM inputs with 16-element e4m3 (+ fp32 tensor) or 32-element "
-        "e8m0 block scales, emulated on Hopper (quantize -> dequantize -> bf16 GEMM).")
+        None, "fp4_recipe", "nvfp4 | mxfp4: e2m1 GEMM inputs with 16-element e4m3 or 32-element e8m0 block scales, "
+        "emulated on Hopper.")
     fp4_hadamard: bool = field(False, "fp4_hadamard", "Random Hadamard transform on the FP4 wgrad inputs.")
     fp4_stochastic_rounding: bool = field(
-        False, "fp4_stochastic_rounding", "Round the FP4 copies of the output gradient (dgrad and wgrad inputs) "
-        "stochastically instead of to nearest.")
+        False, "fp4_stochastic_rounding", "Round the output gradient's FP4 copies stochastically, not to nearest.")
     first_last_layers_bf16: bool = field(
         False, "first_last_layers_bf16", "Keep the first/last transformer layers of an FP8/FP4 run in compute_dtype.")
     num_layers_at_start_in_bf16: int = field(1, "num_layers_at_start_in_bf16")
     num_layers_at_end_in_bf16: int = field(1, "num_layers_at_end_in_bf16")
     quantize_output_layer: bool = field(
-        False, "quantize_output_layer", "Quantize the output layer too (the LM head, or the "
-        "tied embedding's use as one); by default it stays in compute_dtype, as do the embedding lookup and the MoE "
-        "router.")
-    quant_impl: str = field("auto", "quant_impl", "auto | xla | pallas: kernels of the quantization (per-tensor FP8: "
-                             "cast-transpose; blockwise FP8: GEMM; FP4: quantize) (auto: pallas on GPU, the pure-JAX "
-                             "reference elsewhere).")
+        False, "quantize_output_layer", "Quantize the output layer (LM head or tied embedding) too; by default it "
+        "stays in compute_dtype.")
+    quant_impl: str = field("auto", "quant_impl", "auto | xla | pallas: the quantization kernels (auto: pallas on a "
+                             "GPU, the pure-JAX reference elsewhere).")
 
 
 @dataclasses.dataclass(frozen=True)
