@@ -194,12 +194,12 @@ def gemm_section() -> dict:
     for name, policy in [("tensorwise", QuantPolicy(fp8_recipe="tensorwise")),
                          ("delayed", QuantPolicy(fp8_recipe="delayed")),
                          ("tensorwise e4m3", QuantPolicy(fp8_recipe="tensorwise", fp8_format="e4m3")),
-                         ("blockwise (pallas)", QuantPolicy(fp8_recipe="blockwise", impl="pallas")),
-                         ("blockwise (xla f32 reference)", QuantPolicy(fp8_recipe="blockwise", impl="xla")),
-                         ("nvfp4 emulated (pallas quant)", QuantPolicy(fp4_recipe="nvfp4", impl="pallas")),
-                         ("nvfp4 emulated (xla quant)", QuantPolicy(fp4_recipe="nvfp4", impl="xla")),
+                         ("blockwise (pallas)", QuantPolicy(fp8_recipe="blockwise", quant_impl="pallas")),
+                         ("blockwise (xla f32 reference)", QuantPolicy(fp8_recipe="blockwise", quant_impl="xla")),
+                         ("nvfp4 emulated (pallas quant)", QuantPolicy(fp4_recipe="nvfp4", quant_impl="pallas")),
+                         ("nvfp4 emulated (xla quant)", QuantPolicy(fp4_recipe="nvfp4", quant_impl="xla")),
                          ("mxfp4 emulated + RHT (pallas quant)",
-                          QuantPolicy(fp4_recipe="mxfp4", fp4_hadamard=True, impl="pallas"))]:
+                          QuantPolicy(fp4_recipe="mxfp4", fp4_hadamard=True, quant_impl="pallas"))]:
         if cases and not any(c in name for c in cases):
             continue
         record(f"linear fwd+dgrad+wgrad: {name}", linear(policy), (x, w, g), 3, base3)

@@ -89,7 +89,7 @@ class CausalLM(nnx.Module):
         self.cfg, self.dtype, self.quant, self.runner = cfg, dtype, quant, runner
         self.vocab = cfg.padded_vocab_size()
         d = cfg.hidden_size
-        head_quant = quant if quant is not None and quant.output_layer else None
+        head_quant = quant if quant is not None and quant.quantize_output_layer else None
         tied = not cfg.untie_embeddings_and_output_weights
         self.embed = Embed(self.vocab, d, std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype,
                            quant=head_quant if tied else None, rngs=rngs)

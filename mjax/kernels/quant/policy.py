@@ -35,15 +35,15 @@ class QuantPolicy:
     fp4_recipe: str | None = None
     fp4_hadamard: bool = False
     fp4_stochastic_rounding: bool = False
-    impl: str = "auto"
+    quant_impl: str = "auto"
     bf16_layers: tuple[int, int] = (0, 0)  # transformer layers kept in compute dtype at the (start, end)
-    output_layer: bool = False  # quantize the LM head too (Megatron keeps it in bf16)
-    keep_fp8_casts: bool = False  # selective remat keeps the per-tensor FP8 operands (remat name fp8_cast)
+    quantize_output_layer: bool = False  # quantize the LM head too (Megatron keeps it in bf16)
+    fp8_keep_casts: bool = False  # selective remat keeps the per-tensor FP8 operands (remat name fp8_cast)
 
     @property
     def remat_keeps(self) -> tuple[str, ...]:
         """Remat names a selective policy keeps on top of the model's: the FP8 copies of per-tensor GEMMs."""
-        return (FP8_CAST,) if self.keep_fp8_casts and self.fp8_recipe in ("delayed", "tensorwise") else ()
+        return (FP8_CAST,) if self.fp8_keep_casts and self.fp8_recipe in ("delayed", "tensorwise") else ()
 
     @property
     def has_fp8_meta(self) -> bool:
@@ -60,9 +60,9 @@ def policy_from_precision(precision) -> QuantPolicy | None:
             if precision.first_last_layers_bf16 else (0, 0))
     return QuantPolicy(fp8_recipe=fp8, fp8_format=precision.fp8_format, fp8_margin=precision.fp8_margin,
                        fp4_recipe=fp4, fp4_hadamard=precision.fp4_hadamard,
-                       fp4_stochastic_rounding=precision.fp4_stochastic_rounding, impl=precision.quant_impl,
-                       bf16_layers=keep, output_layer=precision.quantize_output_layer,
-                       keep_fp8_casts=precision.fp8_keep_casts)
+                       fp4_stochastic_rounding=precision.fp4_stochastic_rounding, quant_impl=precision.quant_impl,
+                       bf16_layers=keep, quantize_output_layer=precision.quantize_output_layer,
+                       fp8_keep_casts=precision.fp8_keep_casts)
 
 
 def _resolve_impl(impl: str) -> tuple[str, bool]:
@@ -81,7 +81,7 @@ def per_tensor_spec(policy: QuantPolicy) -> Fp8Spec:
     if policy.fp8_recipe not in ("delayed", "tensorwise"):
         raise ValueError(f"per-tensor FP8 needs --fp8_recipe=delayed|tensorwise, got --fp8_recipe={policy.fp8_recipe} "
                          f"--fp4_recipe={policy.fp4_recipe}")
-    impl, interpret = _resolve_impl(policy.impl)
+    impl, interpret = _resolve_impl(policy.quant_impl)
     return Fp8Spec(policy.fp8_recipe, policy.fp8_format, policy.fp8_margin, impl, interpret)
 
 
@@ -91,10 +91,10 @@ def quantized_matmul(policy: QuantPolicy, x, w, meta=None, grad_words: bool = Fa
     if policy.fp8_recipe in ("delayed", "tensorwise"):
         return fp8_matmul(x, w, meta, dataclasses.replace(per_tensor_spec(policy), grad_words=grad_words))
     if policy.fp8_recipe == "blockwise":
-        impl, interpret = _resolve_impl(policy.impl)
+        impl, interpret = _resolve_impl(policy.quant_impl)
         return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))
     if policy.fp4_recipe in FP4_RECIPES:
-        impl, interpret = _resolve_impl(policy.impl)
+        impl, interpret = _resolve_impl(policy.quant_impl)
         return fp4_matmul(x, w, Fp4Spec(policy.fp4_recipe, policy.fp4_hadamard, policy.fp4_stochastic_rounding, impl,
                                          interpret))
     raise ValueError(f"no quantized matmul for --fp8_recipe={policy.fp8_recipe} --fp4_recipe={policy.fp4_recipe}")
