@@ -7,6 +7,7 @@ base interpreter's instead, which a virtualenv running the tests does not instal
 """
 
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -84,6 +85,11 @@ def test_wheel_installs_console_scripts_that_run_from_the_installed_package(tmp_
                        "--append_eod", "--noprogress"], work, env)
     assert "preprocessed 2 documents" in preprocess.stdout
     assert (work / "data" / "corpus_text_document.idx").is_file()
+
+    # The README's library snippet (the one that builds a model from a preset), run by the installed package.
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                   if "build_model" in b)
+    _run([bin_dir / "python", "-c", snippet + "\nassert logits.shape[:2] == (1, 16)\n"], work, env)
 
     # --help prints the program's own docstring and flags (absl exits 1 after help).
     help_out = subprocess.run([bin_dir / "mjax-convert", "--help"], cwd=work, env=env, capture_output=True,
