@@ -221,7 +221,7 @@ def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_devi
 
 
 def test_pallas_attention_inside_pipeline_stages_matches_single_device(single_device):
-    """The per-shard Pallas flash kernel (its own shard_map, nested in each stage's) trains like the reference
+    """The per-shard Pallas flash kernel (custom_partitioning, inside each stage's shard_map) trains like the reference
     attention: fp32 on GPU takes this path, as does anything with segment ids."""
     cfg = _config(dict(pp=2, tp=2), 2).replace(execution=dict(attention_impl="pallas"))
     losses, state, _ = _train(cfg)

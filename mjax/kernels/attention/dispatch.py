@@ -21,10 +21,10 @@ IMPLS = ATTENTION_IMPLS
 
 
 def _pallas_attention(q, k, v, **kwargs):
-    from mjax.kernels.attention import flash  # noqa: PLC0415  (import only when chosen)
-    from mjax.kernels.attention.sharded import shard_attention  # noqa: PLC0415
+    from mjax.kernels.attention import flash, sharded  # noqa: PLC0415  (import only when chosen)
 
-    return shard_attention(flash.flash_attention, q, k, v, **kwargs)
+    sharded.check_whole_sequences(q.shape[1], k.shape[1])
+    return flash.flash_attention(q, k, v, **kwargs)  # per shard under a mesh (sharded.py)
 
 
 _IMPL_FNS = {"xla": reference_attention, "cudnn": cudnn_attention, "pallas": _pallas_attention}

@@ -8,7 +8,8 @@ Layout BTNH: q [B, T, N, H], k/v [B, S, K, H] with N % K == 0 (GQA/MQA; K/V are 
 for packed documents: one [B, T] array (T == S), or a pair (q_segment_ids [B, T], kv_segment_ids [B, S]) as
 ring attention needs. Inputs bf16/fp16 (fp32 works too, at full fp32 matmul precision); accumulation is fp32.
 `return_lse=True` also returns the log-sum-exp [B, N, T] fp32 (natural log; -inf for a row that sees no key,
-whose output is 0); its gradient is supported.
+whose output is 0); its gradient is supported. Under a mesh the forward and the backward kernel each run per shard
+of the batch and heads (sharded.py).
 
 Why Triton lowering: it runs the same kernel in interpret mode on CPU (the tests), and in jax 0.11/0.12 it is
 the Pallas GPU path that needs no Hopper-only primitives; the Mosaic GPU attention in jax had no bf16 and no
@@ -24,9 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.options import ATTN_CORE
-from mjax.kernels.attention.flash_backward import flash_backward
 from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret, pow2_at_least
-from mjax.kernels.attention.flash_forward import flash_forward
+from mjax.kernels.attention.sharded import sharded_backward, sharded_forward
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
@@ -102,11 +102,11 @@ def _pad_axis(x, axis, size, mode="constant"):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _flash(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
-    return flash_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    return sharded_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
-    out, lse = flash_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
     # Named so that a remat policy can keep the kernel's results and skip rerunning it (remat name attn_core).
     out, lse = checkpoint_name(out, ATTN_CORE), checkpoint_name(lse, ATTN_CORE)
     return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
@@ -115,8 +115,8 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
 def _flash_bwd(spec, blocks, scale, interpret, residuals, cotangents):
     q, k, v, q_seg, kv_seg, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = flash_backward(q, k, v, q_seg, kv_seg, out, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                                spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    dq, dk, dv = sharded_backward(q, k, v, q_seg, kv_seg, out, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
+                                  spec=spec, blocks=blocks, scale=scale, interpret=interpret)
     return dq, dk, dv, None, None
 
 

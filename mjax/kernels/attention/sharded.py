@@ -1,73 +1,101 @@
-"""Runs a custom attention kernel per shard under the active mesh. XLA cannot partition a Pallas call, so without
-this every device would gather the whole batch and all heads; here each device attends over its own batch rows and
-heads (K/V heads replicated over tp are sliced down to the ones its query heads use)."""
+"""The flash kernels per shard under a mesh (mjax/kernels/per_shard.py). XLA cannot partition a Pallas call, so
+without this every device would gather the whole batch and all heads; here each device attends over its own batch
+rows and query heads, forward and backward (each kernel wrapped: custom_partitioning has no autodiff rule).
+
+Factors: q [b t n h], k/v [b s k h], segment ids [b t] and [b s], out [b t n h], lse [b n t]. Batch and heads keep
+the operands' split; sequences and the head dim are whole (a split sequence is gathered: context parallelism is
+another algorithm, and `check_whole_sequences` refuses rules that split it). K/V heads are split with the query
+heads or not at all; whole K/V heads beside split query heads are sliced to the ones this shard's queries use (their
+gradients summed over the query-head shards), and query heads that would straddle KV groups stay whole.
+"""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from mjax.kernels.attention.errors import AttentionUnsupported
-from mjax.sharding import current_logical_sharding, logical_to_spec
+from mjax.kernels.attention.flash_backward import flash_backward
+from mjax.kernels.attention.flash_forward import flash_forward
+from mjax.kernels.per_shard import per_shard
+from mjax.sharding import shards
+
+_QKV = "b t n h, b s k h, b s k h"
+_SEGMENTS = ", b t, b s"
+_WHOLE = ("t", "s", "h")
 
 
-def _axes(entry) -> tuple:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
-def _size(mesh, entry) -> int:
-    n = 1
-    for a in _axes(entry):
-        n *= mesh.shape[a]
-    return n
-
-
-def _drop_trivial(spec, mesh) -> tuple:
-    """Spec entries without the mesh axes of size 1 (they shard nothing)."""
-    out = []
-    for entry in spec:
-        kept = tuple(a for a in _axes(entry) if mesh.shape[a] > 1)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return tuple(out)
-
-
-def shard_attention(kernel, q, k, v, *, segment_ids, return_lse, **kwargs):
-    """kernel(q, k, v, segment_ids=..., return_lse=..., **kwargs) on each shard; identity wrapper without a mesh."""
-    ctx = current_logical_sharding()
-    if ctx is None or ctx[0] is None or ctx[0].size == 1:
-        return kernel(q, k, v, segment_ids=segment_ids, return_lse=return_lse, **kwargs)
-    mesh, rules = ctx
-    q_spec = _drop_trivial(logical_to_spec(("batch", "seq", "heads", None), rules, q.shape, mesh), mesh)
-    kv_spec = _drop_trivial(logical_to_spec(("batch", "seq", "kv_heads", None), rules, k.shape, mesh), mesh)
-    if q_spec[1] is not None or kv_spec[1] is not None:
+def check_whole_sequences(q_len: int, kv_len: int) -> None:
+    """The kernel sees whole sequences: under sharding rules that split them (--cp > 1), it is the wrong algorithm."""
+    n = shards("seq")
+    if n > 1 and (q_len % n == 0 or kv_len % n == 0):
         raise AttentionUnsupported("the pallas attention kernel sees whole sequences; with --cp > 1 attention "
                                    "must go through context-parallel attention")
-    batch, heads = q_spec[0], q_spec[2]
-    if kv_spec[2] is not None and kv_spec[2] != heads:
-        raise AttentionUnsupported(f"KV heads sharded over {kv_spec[2]} but query heads over {heads}")
-    n, kv_heads = q.shape[2], k.shape[2]
-    local_n = n // _size(mesh, heads)
-    slice_kv = kv_spec[2] is None and heads is not None  # K/V replicated: take the heads this shard's queries use
-    kv_in = P(batch, None, None if slice_kv else heads, None)
-    seg_spec = P(batch, None)
-
-    def body(q, k, v, seg):
-        if slice_kv:
-            group = n // kv_heads
-            rank = jax.lax.axis_index(_axes(heads)) if heads else 0
-            count = max(local_n // group, 1)
-            start = rank * local_n // group
-            k, v = (jax.lax.dynamic_slice_in_dim(x, start, count, axis=2) for x in (k, v))
-        return kernel(q, k, v, segment_ids=seg, return_lse=return_lse, **kwargs)
-
-    out_specs = (P(batch, None, heads, None), P(batch, heads, None)) if return_lse else P(batch, None, heads, None)
-    seg = segment_ids if segment_ids is not None else jnp.zeros(q.shape[:2], jnp.int32)
-    fn = body if segment_ids is not None else functools.partial(_without_segments, body)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(P(batch, None, heads, None), kv_in, kv_in, seg_spec),
-                         out_specs=out_specs, check_vma=False)(q, k, v, seg)
 
 
-def _without_segments(body, q, k, v, seg):
-    del seg
-    return body(q, k, v, None)
+def _split_heads_together(axes: dict, sizes: dict, mesh_shape: dict) -> dict:
+    """K/V heads split only as the query heads are; query heads whole where a shard's would straddle KV groups."""
+    heads, kv_heads = axes["n"], axes["k"]
+    if heads is not None and kv_heads != heads:
+        local = sizes["n"] // math.prod(mesh_shape[a] for a in heads)
+        group = sizes["n"] // sizes["k"]
+        if local % group and group % local:
+            heads = None
+    return axes | {"n": heads, "k": kv_heads if kv_heads == heads else None}
+
+
+def _kv_slice(n_local: int, kv_heads: int, shards: dict) -> tuple:
+    """(first KV head, count) that this shard's query heads use, or None when K/V are split with them."""
+    heads, kv = shards["n"], shards["k"]
+    if heads.count == kv.count:
+        return None
+    group = n_local * heads.count // kv_heads
+    return heads.index * n_local // group, max(n_local // group, 1)
+
+
+@functools.cache
+def _ops(spec, blocks, scale, interpret, segments: bool):
+    """The (forward, backward) per-shard ops of one kernel configuration."""
+    qkv = _QKV + (_SEGMENTS if segments else "")  # the operands both kernels take
+    common = dict(replicated=_WHOLE, shard_index=("n", "k"), adjust=_split_heads_together)
+    kernel = dict(spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+
+    def split(args):
+        return (args[:2], args[2:]) if segments else ((None, None), args)
+
+    def forward(q, k, v, *rest, shards):
+        (q_seg, kv_seg), () = split(rest)
+        if (cut := _kv_slice(q.shape[2], k.shape[2], shards)) is not None:
+            k, v = (jax.lax.dynamic_slice_in_dim(x, *cut, axis=2) for x in (k, v))  # [B, S, K, H] -> [B, S, c, H]
+        return flash_forward(q, k, v, q_seg, kv_seg, **kernel)
+
+    def backward(q, k, v, *rest, shards):
+        (q_seg, kv_seg), (out, lse, do, dlse) = split(rest)
+        cut = _kv_slice(q.shape[2], k.shape[2], shards)
+        kk, vv = (k, v) if cut is None else (jax.lax.dynamic_slice_in_dim(x, *cut, axis=2) for x in (k, v))
+        dq, dk, dv = flash_backward(q, kk, vv, q_seg, kv_seg, out, lse, do, dlse, **kernel)
+        if cut is not None:  # this shard's part of the whole K/V heads' gradients, summed over the shards
+            dk, dv = (jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), d, cut[0], axis=2)
+                      for x, d in ((k, dk), (v, dv)))  # [B, S, c, H] -> [B, S, K, H]
+        return dq, dk, dv
+
+    return (per_shard(forward, f"{qkv} -> b t n h, b n t", **common),
+            per_shard(backward, f"{qkv}, b t n h, b n t, b t n h, b n t -> b t n h, b s k h, b s k h",
+                      sum_over_shards=(1, 2), **common))
+
+
+def _segments(q_seg, kv_seg) -> tuple:
+    return () if q_seg is None else (q_seg, kv_seg)
+
+
+def sharded_forward(q, k, v, q_seg, kv_seg, *, spec, blocks, scale, interpret):
+    """flash_forward per shard: padded q [B,Tp,N,Hp], k/v [B,Sp,K,Hp], segment ids or None -> (out, lse)."""
+    op = _ops(spec, blocks, scale, interpret, q_seg is not None)[0]
+    return op(q, k, v, *_segments(q_seg, kv_seg))
+
+
+def sharded_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec, blocks, scale, interpret):
+    """flash_backward per shard -> (dq, dk, dv)."""
+    op = _ops(spec, blocks, scale, interpret, q_seg is not None)[1]
+    return op(q, k, v, *_segments(q_seg, kv_seg), out, lse, do, dlse)
