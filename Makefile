@@ -1,7 +1,7 @@
 # The two entry points of the README: `make train` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup train test
+.PHONY: setup train test test-fast
 setup:
 	@bash scripts/setup_env.sh
 
@@ -11,3 +11,7 @@ train: setup
 # Tests run on CPU with 8 fake devices (GPU-marked tests skip themselves there).
 test: setup
 	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 $(ARGS)
+
+# The fast tier: every test not marked slow (each under ~20 s on 2 cores).
+test-fast: setup
+	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 -m "not slow" $(ARGS)

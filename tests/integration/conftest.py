@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from mjax.convert import InputError, mjax_to_hf
 from mjax.convert import source as sources
 from mjax.convert import tokenizer as tokenizers_io
 from mjax.data.tokenizer import SAMPLE_TOKENIZER, build_tokenizer
-from tests.convert_utils import FIXTURES
+from tests.helpers.convert_utils import FIXTURES
 
 CORPUS = Path(SAMPLE_TOKENIZER).parent / "sample_corpus.jsonl.gz"
 

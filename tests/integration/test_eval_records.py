@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mjax.data import IndexedDatasetWriter
 from mjax.train.loop import train
-from tests.train_utils import tiny_config
+from tests.helpers.train_utils import tiny_config
 
 SPLITS = ["valid", "valid/a", "valid/b", "test", "test/a", "test/b"]
 

@@ -7,7 +7,7 @@ steps by the training loop on the learnable pattern data of train_utils, bf16 ag
 params and data (bf16 goes from 4.82 to about 3.4). The FP8 noise was measured on this model over four seeds (this
 one and 1-3, both recipes): the mean losses of windows of 10 steps moved by up to 0.124 from bf16's, the last
 window by up to 0.050, the first loss (the forward alone, before any update) by up to 0.0024; the dense 3-layer model
-of the same sizes moves by 0.22 and 0.16 (tests/test_fp8_train.py states 0.15 and 0.06 for its 2-layer one). The
+of the same sizes moves by 0.22 and 0.16 (tests/integration/test_fp8_train.py states 0.15 and 0.06 for its 2-layer one). The
 tolerances below leave a margin of 1.6x to 2x over the MoE's."""
 
 import jax
@@ -18,7 +18,7 @@ import pytest
 from mjax.config import ConfigError
 from mjax.parallel.layout import validate_layout
 from mjax.train.loop import build, train
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 STEPS, WINDOW_TOL, FINAL_TOL, FIRST_TOL = 50, 0.2, 0.1, 0.005
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_first_dense_layers=1,

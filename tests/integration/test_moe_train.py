@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import train
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads

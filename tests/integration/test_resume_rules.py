@@ -20,7 +20,7 @@ from mjax.train.loop import checkpointer
 from mjax.config import ConfigError
 from mjax.storage import params as params_io
 from mjax.train.loop import Setup, build, train
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

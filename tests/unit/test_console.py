@@ -17,7 +17,7 @@ from mjax.config import PrecisionConfig
 from mjax.logging_setup import setup_logging
 from mjax.train import startup
 from mjax.train.logger import MetricsLogger, Progress
-from tests.train_utils import tiny_config
+from tests.helpers.train_utils import tiny_config
 
 ROOT = str(Path(__file__).resolve().parents[2])
 

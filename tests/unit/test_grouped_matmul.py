@@ -19,7 +19,7 @@ from mjax.kernels.grouped_matmul import (IMPLS, GroupedMatmulUnsupported, Kernel
 from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles, swizzle
 from mjax.kernels.grouped_matmul.tiling import default_tiling
-from tests.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

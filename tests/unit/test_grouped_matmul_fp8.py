@@ -16,7 +16,7 @@ from mjax.kernels.quant.fp8 import Fp8Spec
 from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
                                          fp8_grouped_matmul, resolve_tiling, why_unsupported)
 from mjax.kernels.grouped_matmul.fp8 import GroupedFp8Plan, grouped_fp8
-from tests.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import lower_for_h200
 from tests.unit.test_grouped_matmul import _tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -16,7 +16,7 @@ import pytest
 from mjax.kernels.attention import AttentionUnsupported, reference_attention
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, segment_block_bounds
-from tests.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import lower_for_h200
 
 # jax warns on every Triton-lowered pallas_call; pytest's own warning filters would show it 15 times
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -1,4 +1,4 @@
-"""One process of the two-process checkpoint test: `python tests/multiprocess_checkpoint.py PROCESS_ID PORT DIR OUT`.
+"""One process of the two-process checkpoint test: `python tests/helpers/multiprocess_checkpoint.py PROCESS_ID PORT DIR OUT`.
 
 4 CPU devices per process; mock data read through mjax's loader (each process its half of every batch). Two runs:
   save:    tp=2 x dp=4, 4 steps, a checkpoint every 2 steps in DIR/a.
@@ -24,7 +24,7 @@ def main(process_id: int, port: int, directory: str, out: str):
     from mjax.train.checkpoint import Checkpointer  # noqa: PLC0415
     from mjax.logging_setup import setup_logging  # noqa: PLC0415
     from mjax.train.loop import train  # noqa: PLC0415
-    from tests.train_utils import multiprocess_config  # noqa: PLC0415
+    from tests.helpers.train_utils import multiprocess_config  # noqa: PLC0415
 
     setup_logging()
     cfg = multiprocess_config().replace(data=dict(mock_data=True))

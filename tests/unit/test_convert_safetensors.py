@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from mjax.convert.safetensors_io import INDEX, SafetensorsReader, SafetensorsWriter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Each float8 format's finite values (every bit pattern but NaN/inf) and a few bf16/f32 ones.
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
 E5M2 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2)

@@ -11,7 +11,7 @@ from mjax.kernels.attention import AttentionUnsupported, dot_product_attention, 
 from mjax.sharding import constrain, logical_sharding
 from mjax.parallel.mesh import AXES, make_mesh
 from mjax.parallel.rules import logical_rules
-from tests.train_utils import tiny_config
+from tests.helpers.train_utils import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 GATHERS = ("all-gather", "all-to-all", "collective-permute")

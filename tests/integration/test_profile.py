@@ -6,7 +6,7 @@ import pytest
 from benchmarks.harness import synthetic_batch
 from mjax.train.loop import build
 from benchmarks.profile import kernel_kind, op_scopes, profile_step
-from tests.train_utils import tiny_config
+from tests.helpers.train_utils import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from mjax.train.loop import NonFiniteError, build, train
 from mjax.train.state import LossScale
 from mjax.train.step import make_eval_step, make_train_step
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 
 SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params after one step = init - grads

@@ -11,7 +11,7 @@ import pytest
 
 from mjax.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 from benchmarks import benchmark
 
 

@@ -1,4 +1,4 @@
-"""The quantization kernels lower through Triton for an H200 on a machine without a GPU (tests/gpu_lowering.py;
+"""The quantization kernels lower through Triton for an H200 on a machine without a GPU (tests/helpers/gpu_lowering.py;
 flash attention has its own cases in test_flash_attention.py)."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from mjax.kernels.quant.fp4_pallas import fake_quant_pallas
 from mjax.kernels.quant.blockwise import BlockwiseSpec, blockwise_matmul
 from mjax.kernels.quant.cast_transpose import cast_transpose_local
-from tests.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

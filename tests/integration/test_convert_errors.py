@@ -14,7 +14,7 @@ from mjax.config import ModelConfig
 from mjax.convert import ConversionError, hf_to_mjax, mjax_to_hf
 from mjax.convert.hf import iter_params, model_config_from_hf
 from mjax.convert.safetensors_io import SafetensorsWriter
-from tests.convert_utils import FIXTURES, read_safetensors
+from tests.helpers.convert_utils import FIXTURES, read_safetensors
 
 
 def _copy(name, tmp_path, edit_config=None, edit_tensors=None):
@@ -191,7 +191,7 @@ def test_export_never_writes_over_an_existing_model(tmp_path):
 
 # ---- the scripts: one line naming the flag or file, no traceback, exit code 2 (bad input) or 4 (checkpoint) ----
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(ROOT))
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mjax.train.loop import build
-from tests.train_utils import pattern_batches
+from tests.helpers.train_utils import pattern_batches
 
 # bf16 compute, tiny Llama, 3 steps (the tests of test_parallel.py and test_qkv_rope_grad.py): one step moved the
 # loss by <= 3.4e-5, the gradient norm by <= 1.2e-3, the gradients by <= 1.0e-2 all together and <= 2.0e-2 for any

@@ -1,4 +1,4 @@
-"""One process of a two-process CPU run: `python tests/multiprocess_train.py PROCESS_ID PORT OUT_JSON`.
+"""One process of a two-process CPU run: `python tests/helpers/multiprocess_train.py PROCESS_ID PORT OUT_JSON`.
 
 Each process has 4 CPU devices; the mesh (tp=2 x dp=4) spans both, and each process feeds only its half of
 every global batch. Writes the logged losses to OUT_JSON.
@@ -17,7 +17,7 @@ import jax  # noqa: E402
 def main(process_id: int, port: int, out: str):
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id,
                                cluster_detection_method="deactivate")
-    from tests.train_utils import multiprocess_config, pattern_batches  # noqa: PLC0415
+    from tests.helpers.train_utils import multiprocess_config, pattern_batches  # noqa: PLC0415
     from mjax.train.loop import train  # noqa: PLC0415
 
     cfg = multiprocess_config()

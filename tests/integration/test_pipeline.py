@@ -18,7 +18,7 @@ from mjax.parallel import pipeline
 from mjax.parallel.rules import batch_sharding, logical_rules
 from mjax.train.loop import build
 from mjax.train.step import make_eval_step, make_train_step
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 STEPS = 3
@@ -62,7 +62,7 @@ def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
 
 def _assert_same(losses, params, ref_losses, ref_params):
     # fp32 SGD: GEMM outputs and input gradients moved by up to 4 ulps move 3 steps' losses by <= 2e-7 and the
-    # params by <= 1.2e-7 (tests/test_parallel.py); the layouts here the losses by <= 2e-7.
+    # params by <= 1.2e-7 (tests/integration/test_parallel.py); the layouts here the losses by <= 2e-7.
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0],
                             jax.tree.leaves(jax.device_get(ref_params))):

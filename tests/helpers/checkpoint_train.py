@@ -36,6 +36,6 @@ def _pausing_after_step(self, step, state, consumed):
 
 atomicity.AtomicRenameTemporaryPath.finalize = _hanging_finalize
 Checkpointer.after_step = _pausing_after_step
-script = Path(__file__).resolve().parent.parent / "scripts" / "train.py"
+script = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 sys.argv = [str(script), *sys.argv[1:]]
 runpy.run_path(str(script), run_name="__main__")

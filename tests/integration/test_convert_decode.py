@@ -13,9 +13,9 @@ import pytest
 from mjax.convert import load_pretrained
 from mjax.inference.generate import generate
 from mjax.inference.decode import forward_with_cache, init_cache
-from tests.convert_utils import FIXTURES, reference
+from tests.helpers.convert_utils import FIXTURES, reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=["mistral_swa", "gpt2"])  # window + GQA; learned positions + biases

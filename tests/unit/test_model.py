@@ -9,7 +9,7 @@ import pytest
 from mjax.config import ExecutionConfig, ModelConfig
 from mjax.model import build_model
 from mjax.parallel.remat import LayerRunner
-from tests import numpy_reference
+from tests.helpers import numpy_reference
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, vocab_size=200,
             make_vocab_size_divisible_by=64, max_position_embeddings=64)

@@ -19,9 +19,9 @@ from mjax.storage import params as params_io
 from mjax.storage.steps import CheckpointError
 from mjax.train.checkpoint import Checkpointer
 from mjax.train.loop import build, checkpointer, train
-from tests.train_utils import tiny_config
+from tests.helpers.train_utils import tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SAVED_LAYOUT = dict(tp=2, fsdp=2)  # x dp=2 on the 8 CPU devices
 
 
@@ -177,12 +177,12 @@ CLI = ["--config=tiny", "--model.num_layers=2", "--hidden_size=64", "--num_atten
 
 
 class _Run:
-    """tests/checkpoint_train.py in a subprocess; its output is read by a thread so waits can time out."""
+    """tests/helpers/checkpoint_train.py in a subprocess; its output is read by a thread so waits can time out."""
 
     def __init__(self, flags, cache, **env):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT),
                "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env}
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "checkpoint_train.py"), *CLI, *flags],
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "checkpoint_train.py"), *CLI, *flags],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines, self._queue = [], queue.Queue()
         threading.Thread(target=lambda: [self._queue.put(x) for x in self.proc.stdout] + [self._queue.put(None)],
@@ -244,7 +244,7 @@ def test_two_processes_save_restore_onto_another_layout_and_stop_together(tmp_pa
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_checkpoint.py"), str(i), str(port),
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "multiprocess_checkpoint.py"), str(i), str(port),
                                str(tmp_path), str(tmp_path / f"{i}.json")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = [p.communicate(timeout=400)[0] for p in procs]

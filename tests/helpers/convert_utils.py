@@ -5,7 +5,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which the library's numpy reader needs)
 import numpy as np
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 NAMES = ("llama3_gqa", "llama_tied_mha", "mistral_swa", "qwen2_tied", "gpt2")
 MOE_NAMES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # fixtures with HF's routing in reference.npz
 LOGITS_ATOL = 2e-5  # fp32 against HF fp32; observed ~1.5e-6

@@ -15,7 +15,7 @@ from mjax.data.indexed import DataError, IndexedDataset
 from mjax.data.preprocess import preprocess_jsonl, sample_corpus_prefix
 from mjax.data.tokenizer import build_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [{"text": "The quick brown fox.", "title": "Fox"}, {"text": "", "title": "Empty"},
         {"text": "Jumps over\nthe lazy dog.", "title": "Dog"}] * 50
 

@@ -5,7 +5,7 @@ Convergence: a 2-layer model (hidden 128) trained STEPS steps on the learnable p
 against each FP8 recipe and FP4 recipe. Stated tolerance: the mean loss of each window of 10 steps stays within
 WINDOW_TOL of bf16's, and the last window within FINAL_TOL (bf16 goes from 4.85 to about 3.3 here).
 
-Two programs are compared one step at a time from the same state (tests/lockstep.py) where they should agree to
+Two programs are compared one step at a time from the same state (tests/helpers/lockstep.py) where they should agree to
 rounding; free-running trajectories drift apart by more than that."""
 
 import jax
@@ -21,8 +21,8 @@ from mjax.sharding import single_device
 from mjax.train.optimizer import lr_schedule, make_optimizer
 from mjax.train.state import TrainState
 from mjax.train.step import make_train_step
-from tests.lockstep import assert_steps_close, lockstep
-from tests.train_utils import pattern_batches, tiny_config
+from tests.helpers.lockstep import assert_steps_close, lockstep
+from tests.helpers.train_utils import pattern_batches, tiny_config
 
 # Measured: each recipe's window means (this CPU, and with every GEMM's output and input gradients moved by one ulp
 # at random, 17 runs) stay within 0.058 of bf16's, the last window within 0.031; bf16 against itself so moved: 0.011.
@@ -219,7 +219,7 @@ def test_remat_fp8_cast_keeps_the_quantized_operands_instead_of_recomputing_them
     np.testing.assert_allclose(out["attn_out"][2], out["fp8_cast"][2], rtol=2e-2)
 
 
-# One step's noise floor of the XLA reference under tp2+sp (tests/lockstep.py: one-ulp moves of each quantized
+# One step's noise floor of the XLA reference under tp2+sp (tests/helpers/lockstep.py: one-ulp moves of each quantized
 # GEMM's output and input gradients, and its tp1 layout), over 3 steps:
 #   FP8 (tensorwise, delayed, blockwise): loss 6.4e-5, grad norm 2.0e-3, gradients 3.5e-2 (6.1e-2 at delayed's first
 #   step: its initial scales of 1 leave the small gradients of the fused QKV GEMM in e5m2's subnormals), the x and
@@ -260,7 +260,7 @@ def test_pallas_kernels_under_tp_sp_match_the_xla_reference(recipe):
 
 def test_quantized_head_through_the_fused_loss_trains_like_the_reference_loss():
     """--quantize_output_layer with --cross_entropy_impl=fused (the FP8 head inside the chunked loss) against the
-    whole-logits loss over the same FP8 head: 5 steps of delayed scaling in lockstep (tests/lockstep.py), each
+    whole-logits loss over the same FP8 head: 5 steps of delayed scaling in lockstep (tests/helpers/lockstep.py), each
     program with its own scaling state. (The fused loss observes the logits gradient before the 1 / tokens
     factor: its head's gradient amax is 256x the reference's, and its power-of-two scale gives the same values.)
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from mjax.convert import hf_to_mjax, load_pretrained, mjax_to_hf
-from tests.convert_utils import FIXTURES, next_token_loss, reference
+from tests.helpers.convert_utils import FIXTURES, next_token_loss, reference
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _batches(tokens):

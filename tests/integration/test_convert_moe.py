@@ -18,8 +18,8 @@ from mjax.convert.spec import Dims
 from mjax.inference.generate import generate
 from mjax.model import build_model
 from mjax.inference.decode import forward_with_cache, init_cache
-from tests.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, next_token_loss, read_safetensors, reference
-from tests.numpy_reference import forward_hf
+from tests.helpers.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, next_token_loss, read_safetensors, reference
+from tests.helpers.numpy_reference import forward_hf
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from mjax.storage import params as params_io
 from mjax.convert.hf import model_config_from_hf, params_from_hf
 from mjax.convert.spec import unflatten
 from mjax.model import build_model
-from tests.convert_utils import FIXTURES, LOGITS_ATOL, NAMES, next_token_loss, read_safetensors, reference
+from tests.helpers.convert_utils import FIXTURES, LOGITS_ATOL, NAMES, next_token_loss, read_safetensors, reference
 
 
 @pytest.fixture(scope="module")

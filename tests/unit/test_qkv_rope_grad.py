@@ -12,7 +12,7 @@ from mjax.parallel.layout import validate_layout
 from mjax.kernels.qkv_rope_grad.pallas import qkv_rope_grad, qkv_rope_grad_local
 from mjax.kernels.qkv_rope_grad import split_qkv, split_rotate
 from mjax.model.rope import rope_cos_sin
-from tests.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import lower_for_h200
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 BF16_ULP = 2.0**-7  # spacing of bf16 values in [1, 2)
@@ -95,10 +95,10 @@ def test_lowers_through_triton_for_h200():
 
 def test_training_with_the_kernel_matches_autodiff_under_tp_sp():
     """The tiny Llama trained 3 steps, tp2 + sp over 8 devices: the kernel (interpreted, per shard) and autodiff's
-    concatenate take the same steps, in lockstep from the same state (tests/lockstep.py), within bf16's one-step
+    concatenate take the same steps, in lockstep from the same state (tests/helpers/lockstep.py), within bf16's one-step
     noise floor; the gradients of the QKV projections, which the kernel computes, each on their own."""
-    from tests.lockstep import BF16_TOL, assert_steps_close, lockstep  # noqa: PLC0415
-    from tests.train_utils import tiny_config  # noqa: PLC0415
+    from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep  # noqa: PLC0415
+    from tests.helpers.train_utils import tiny_config  # noqa: PLC0415
 
     def cfg(impl):
         return tiny_config(model=dict(hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256),

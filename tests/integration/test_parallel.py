@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import build, train
-from tests.lockstep import BF16_TOL, assert_steps_close, lockstep
-from tests.train_utils import multiprocess_config, pattern_batches, tiny_config
+from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep
+from tests.helpers.train_utils import multiprocess_config, pattern_batches, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 # fp32 SGD (no sign-like first Adam step), 3 steps: every GEMM's output and input gradients moved by up to 4 ulps at
 # random move the losses by <= 2e-7 and the params by <= 1.2e-7, as the layouts do; tolerances are 10x and more.
@@ -58,7 +58,7 @@ def _spec(x):
 @pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True), dict(tp=2, fsdp=4)])
 def test_bf16_compute_under_tp_sp_and_fsdp_matches_single_device(parallel):
     """In bf16 the SwiGLU backward takes the packed (gate, up) word path and the fused projections run sharded: 3
-    steps in lockstep with one device's from the same state (tests/lockstep.py; free-running, bf16 Adam steps drift
+    steps in lockstep with one device's from the same state (tests/helpers/lockstep.py; free-running, bf16 Adam steps drift
     apart by more than one step's rounding), within bf16's one-step noise floor."""
     def cfg(parallel):
         return tiny_config(parallel=parallel, precision=dict(compute_dtype="bfloat16"), train=dict(train_iters=3))
@@ -143,7 +143,7 @@ def test_two_processes_match_the_single_process_run(tmp_path):
     cfg = multiprocess_config()
     expected = [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None)).history]
     port, env = _free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "multiprocess_train.py"), str(i), str(port),
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "multiprocess_train.py"), str(i), str(port),
                                str(tmp_path / f"{i}.json")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for i in range(2)]
     outputs = [p.communicate(timeout=300)[0].decode() for p in procs]

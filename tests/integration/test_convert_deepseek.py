@@ -14,8 +14,8 @@ from safetensors.numpy import save_file
 import mjax
 from mjax.convert import hf_to_mjax, mjax_to_hf
 from mjax.convert.hf import model_config_from_hf
-from tests.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, read_safetensors, reference
-from tests.numpy_reference import forward_hf
+from tests.helpers.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, read_safetensors, reference
+from tests.helpers.numpy_reference import forward_hf
 
 # deepseek-moe-16b-base's config.json keys, at a tiny size: 5 layers, layer 0 dense (first_k_dense_replace) and MoE
 # on even layers after it (moe_layer_freq 2), so the dense and MoE stacks interleave: dense 0, 1, 3; MoE 2, 4.
