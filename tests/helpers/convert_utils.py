@@ -30,3 +30,15 @@ def read_safetensors(directory) -> dict:
     for f in sorted(Path(directory).glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def convert_both_ways(names, root: Path) -> dict:
+    """name -> (mjax checkpoint dir, HF dir exported back with small shards) of each fixture, converted under root."""
+    from mjax.convert import hf_to_mjax, mjax_to_hf  # noqa: PLC0415
+
+    out = {}
+    for name in names:
+        hf_to_mjax(FIXTURES / name, root / name / "mjax")
+        mjax_to_hf(root / name / "mjax", root / name / "hf", max_shard_bytes=100_000)
+        out[name] = (root / name / "mjax", root / name / "hf")
+    return out

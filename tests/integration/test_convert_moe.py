@@ -18,20 +18,14 @@ from mjax.convert.spec import Dims
 from mjax.inference.generate import generate
 from mjax.model import build_model
 from mjax.inference.decode import forward_with_cache, init_cache
-from tests.helpers.convert_utils import FIXTURES, LOGITS_ATOL, MOE_NAMES, next_token_loss, read_safetensors, reference
+from tests.helpers.convert_utils import FIXTURES, convert_both_ways, LOGITS_ATOL, MOE_NAMES, next_token_loss, read_safetensors, reference
 from tests.helpers.numpy_reference import forward_hf
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (mjax checkpoint dir, HF dir exported back with small shards)."""
-    root = tmp_path_factory.mktemp("convert_moe")
-    out = {}
-    for name in MOE_NAMES:
-        hf_to_mjax(FIXTURES / name, root / name / "mjax")
-        mjax_to_hf(root / name / "mjax", root / name / "hf", max_shard_bytes=100_000)
-        out[name] = (root / name / "mjax", root / name / "hf")
-    return out
+    return convert_both_ways(MOE_NAMES, tmp_path_factory.mktemp("convert_moe"))
 
 
 @pytest.mark.parametrize("name", MOE_NAMES)

@@ -14,19 +14,13 @@ from mjax.storage import params as params_io
 from mjax.convert.hf import model_config_from_hf, params_from_hf
 from mjax.convert.spec import unflatten
 from mjax.model import build_model
-from tests.helpers.convert_utils import FIXTURES, LOGITS_ATOL, NAMES, next_token_loss, read_safetensors, reference
+from tests.helpers.convert_utils import FIXTURES, convert_both_ways, LOGITS_ATOL, NAMES, next_token_loss, read_safetensors, reference
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (mjax checkpoint dir, HF dir exported back with small shards)."""
-    root = tmp_path_factory.mktemp("convert")
-    out = {}
-    for name in NAMES:
-        hf_to_mjax(FIXTURES / name, root / name / "mjax")
-        mjax_to_hf(root / name / "mjax", root / name / "hf", max_shard_bytes=100_000)
-        out[name] = (root / name / "mjax", root / name / "hf")
-    return out
+    return convert_both_ways(NAMES, tmp_path_factory.mktemp("convert"))
 
 
 @pytest.mark.parametrize("name", NAMES)

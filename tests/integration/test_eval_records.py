@@ -12,23 +12,9 @@ from mjax.data import IndexedDatasetWriter
 from mjax.train.loop import train
 from tests.helpers.train_utils import tiny_config
 
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # the runs compile the same step again
+
 SPLITS = ["valid", "valid/a", "valid/b", "test", "test/a", "test/b"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Both runs compile the same train step: a persistent cache makes the second cheap (reference cross-entropy,
-    which XLA:CPU reloads fine; see tests/conftest.py)."""
-    from jax._src import compilation_cache as cc  # noqa: PLC0415
-
-    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", saved[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
-    cc.reset_cache()
 
 
 def _blend(directory):

@@ -22,23 +22,9 @@ from mjax.storage import params as params_io
 from mjax.train.loop import Setup, build, train
 from tests.helpers.train_utils import pattern_batches, tiny_config
 
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # the runs compile the same step again
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """The runs here compile the same init and train step again (new closures): a persistent cache makes the
-    repeats cheap. XLA:CPU reloads this (reference cross-entropy) step fine; see tests/conftest.py for the fused."""
-    from jax._src import compilation_cache as cc  # noqa: PLC0415
-
-    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cc.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", saved[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")
