@@ -4,9 +4,9 @@ The test suite never imports torch: it converts these directories and compares a
 Run it from a Python 3.11 venv outside the repo (a CPU torch wheel exists for 3.11; 3.12 would pull CUDA):
 
     /root/.pyenv/versions/3.11.7/bin/python -m venv /tmp/hfref
-    /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy tokenizers
+    /tmp/hfref/bin/pip install torch==2.13.0 transformers safetensors numpy tokenizers absl-py
     /tmp/hfref/bin/python -m tools.make_hf_fixtures             # writes tests/fixtures/hf/<name>/
-    /tmp/hfref/bin/python -m tools.make_hf_fixtures --only mixtral  # rebuilds only the fixtures named
+    /tmp/hfref/bin/python -m tools.make_hf_fixtures --only=mixtral  # rebuilds only the fixtures named
 
 The MoE fixtures were made with transformers 5.24.0 (which saves experts one tensor per expert, as the Hub has them).
 
@@ -28,7 +28,6 @@ transformers reports missing, unexpected or misshapen, and for an MoE fixture sa
 differently.
 """
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from absl import app, flags
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 BATCH, SEQ, VOCAB = 2, 24, 300
@@ -317,20 +317,23 @@ def check_export(directory: str, fixture: str):
         raise SystemExit(1)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", help="fixture names to rebuild (default: all)")
-    parser.add_argument("--check_export", help="an HF directory to load with transformers and compare")
-    parser.add_argument("--reference", help="with --check_export: the fixture directory holding reference.npz")
-    args = parser.parse_args()
-    if args.check_export:
-        return check_export(args.check_export, args.reference)
+flags.DEFINE_list("only", [], "Fixture names to rebuild (default: all).")
+flags.DEFINE_string("check_export", None, "An HF directory to load with transformers and compare.")
+flags.DEFINE_string("reference", None, "With --check_export: the fixture directory holding reference.npz.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.check_export:
+        return check_export(FLAGS.check_export, FLAGS.reference)
     for i, name in enumerate(FIXTURES):
-        if not args.only or name in args.only:
+        if not FLAGS.only or name in FLAGS.only:
             build(name, seed=1000 + i)
     total = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())
     print(f"total {total / 1024:.0f} KiB under {ROOT}")
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)
