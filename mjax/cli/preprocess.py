@@ -8,14 +8,13 @@ writes data/corpus_text_document.{bin,idx} (one pair per --json_keys key); train
 `python -m mjax.cli.preprocess`.)
 """
 
-import sys
+from absl import flags
 
-from absl import app, flags
-
-from mjax.cli.common import as_main
+from mjax.cli.common import BAD_INPUT, fail, no_positional, run
 from mjax.config import ConfigError, DataConfig
 from mjax.data.indexed import DataError
 from mjax.data.preprocess import preprocess_jsonl
+from mjax.logging_setup import setup_logging
 
 flags.DEFINE_list("input", None, "JSONL file(s), one document a line; .gz is read compressed.")
 flags.DEFINE_string("output_prefix", None, "Output path prefix; `_{key}_document.{bin,idx}` is appended.")
@@ -29,21 +28,24 @@ flags.mark_flags_as_required(["input", "output_prefix"])
 FLAGS = flags.FLAGS
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main(argv) -> int:
+    setup_logging()
+    try:
+        no_positional(argv)
+    except ConfigError as e:
+        return fail("config error", e, BAD_INPUT)
     data_cfg = DataConfig(tokenizer_type=FLAGS.tokenizer_type, tokenizer_model=FLAGS.tokenizer_model)
     try:
         stats = preprocess_jsonl(FLAGS.input, FLAGS.output_prefix, FLAGS.json_keys, data_cfg, FLAGS.append_eod,
                                  FLAGS.workers, FLAGS.progress)
     except (ConfigError, DataError, FileNotFoundError) as e:
-        sys.exit(f"preprocess_data: {e}")
+        return fail("preprocess", e, BAD_INPUT)
     print(f"preprocessed {stats.summary()}")
+    return 0
 
 
 def entry() -> None:
-    as_main(__name__)
-    app.run(main)
+    run(main)
 
 
 if __name__ == "__main__":

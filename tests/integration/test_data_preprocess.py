@@ -58,7 +58,7 @@ def test_script_reports_bad_flag_cleanly(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
                           f"--input={tmp_path / 'missing.jsonl'}", f"--output_prefix={tmp_path / 'x'}"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert run.returncode == 1 and "--input file" in run.stderr and "missing.jsonl does not exist" in run.stderr
+    assert run.returncode == 2 and "--input file" in run.stderr and "missing.jsonl does not exist" in run.stderr
     assert "Traceback" not in run.stderr
 
 
