@@ -31,9 +31,8 @@ def manual(body, in_specs, out_specs):
         with logical_sharding(jax.sharding.get_abstract_mesh(), rules):
             return body(*args)
 
-    # check_vma off: the per-shard attention kernels run in their own shard_map with it off (pallas_call outputs
-    # carry no varying axes), and a nested check_vma=False shard_map under a checked one mistypes the kernels'
-    # gradients (custom_vjp "manual axis types do not match").
+    # check_vma off: pallas_call outputs carry no varying axes, so under a checked shard_map the stage's Pallas
+    # kernels (per_shard, inside their custom_vjp) would be mistyped.
     return jax.shard_map(in_body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                          check_vma=False)
 
