@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mjax.train.loop import build
-from tests.helpers.train_utils import pattern_batches
+from tests.helpers.train_utils import initial_state, pattern_batches
 
 # bf16 compute, tiny Llama, 3 steps (the tests of test_parallel.py and test_qkv_rope_grad.py): one step moved the
 # loss by <= 3.4e-5, the gradient norm by <= 1.2e-3, the gradients by <= 1.0e-2 all together and <= 2.0e-2 for any
@@ -74,31 +74,49 @@ def _latest_amax(state) -> dict | None:
     return {k: h[..., 0, :] for k, h in history.items()}
 
 
-def lockstep(ref_cfg, other_cfg, devices=None, other_devices=None, own_fp8=False) -> list[Step]:
+def lockstep(ref_cfg, other_cfg, devices=None, other_devices=None, own_fp8=False, compiler_options=None) -> list[Step]:
     """ref_cfg.train.train_iters steps of the reference on pattern_batches; before each, the other config's step
     runs from a copy of the same state (resharded to its own layout) on the same batch. The configs may differ in
     kernels, layout and devices (other_devices: `devices` unless given), not in the state's structure or shapes;
     both use Adam. own_fp8: the other program carries its own FP8 scaling state from step to step (for programs
-    that observe the amax of another tensor, e.g. a gradient before rather than after a constant factor)."""
-    ref, other = build(ref_cfg, devices), build(other_cfg, devices if other_devices is None else other_devices)
+    that observe the amax of another tensor, e.g. a gradient before rather than after a constant factor).
+    compiler_options: XLA options of both compiles (e.g. train_utils.FAST_COMPILE)."""
+    other_devices = devices if other_devices is None else other_devices
+    return lockstep_each(ref_cfg, [(other_cfg, other_devices)], devices, own_fp8, compiler_options)[0]
+
+
+def lockstep_each(ref_cfg, others, devices=None, own_fp8=False, compiler_options=None) -> list[list[Step]]:
+    """lockstep() of one reference against each (config, devices) of `others` at once: the reference is compiled
+    and stepped once."""
+    ref = build(ref_cfg, devices)
+    progs = [build(cfg, d) for cfg, d in others]
     beta1 = ref_cfg.optimizer.adam_beta1
     data = pattern_batches(ref_cfg)
-    state, compiled, out = ref.init_state(ref_cfg.train.seed), None, []
-    other_fp8 = state.fp8
+    state, compiled, out = initial_state(ref, ref_cfg.train.seed), None, [[] for _ in progs]
+    other_fp8 = [state.fp8] * len(progs)
     for _ in range(ref_cfg.train.train_iters):
         batch = next(data)
-        placed = ref.place_batch(batch), other.place_batch(batch)
+        placed = [s.place_batch(batch) for s in (ref, *progs)]
         if compiled is None:
-            compiled = [s.compile_step(jax.device_put(state, s.state_sharding), b)[0]
-                        for s, b in zip((ref, other), placed)]
+            compiled = [s.compile_step(jax.device_put(state, s.state_sharding), b, compiler_options)[0]
+                        for s, b in zip((ref, *progs), placed)]
         mu = _adam_mu(state)
-        # Each step donates its state. Copied first: a put onto more devices reuses the source's buffer on the
-        # device they share, even with may_alias=False (jax 0.12).
-        start = state.replace(fp8=other_fp8) if own_fp8 else state
-        got, got_m = compiled[1](jax.device_put(jax.tree.map(jnp.copy, start), other.state_sharding), placed[1])
-        other_fp8 = got.fp8
+        got = []
+        for i, prog in enumerate(progs):
+            # Each step donates its state. Copied first: a put onto more devices reuses the source's buffer on the
+            # device they share, even with may_alias=False (jax 0.12).
+            start = state.replace(fp8=other_fp8[i]) if own_fp8 else state
+            got.append(compiled[i + 1](jax.device_put(jax.tree.map(jnp.copy, start), prog.state_sharding),
+                                       placed[i + 1]))
+            other_fp8[i] = got[-1][0].fp8
         state, want_m = compiled[0](state, placed[0])
-        grads = [{k: (m1 - beta1 * mu[k]) / (1 - beta1) for k, m1 in _adam_mu(s).items()} for s in (state, got)]
-        out.append(Step(jax.device_get(want_m), jax.device_get(got_m), *grads, _latest_amax(state),
-                        _latest_amax(got)))
+        want_grads = _grads(state, mu, beta1)
+        for steps, (got_state, got_m) in zip(out, got):
+            steps.append(Step(jax.device_get(want_m), jax.device_get(got_m), want_grads,
+                              _grads(got_state, mu, beta1), _latest_amax(state), _latest_amax(got_state)))
     return out
+
+
+def _grads(state, mu_before, beta1) -> dict:
+    """param path -> the gradient the step applied, from Adam's first moment before and after it."""
+    return {k: (m1 - beta1 * mu_before[k]) / (1 - beta1) for k, m1 in _adam_mu(state).items()}
