@@ -10,8 +10,8 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from mjax.train.loop import NonFiniteError, build, train
 from mjax.train.state import LossScale
-from mjax.train.step import make_eval_step, make_train_step
-from tests.helpers.train_utils import pattern_batches, tiny_config
+from mjax.train.step import make_eval_step
+from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
 
 SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params after one step = init - grads
@@ -20,10 +20,23 @@ SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params a
 def _one_step(cfg, batch, devices=None, **optimizer):
     cfg = cfg.replace(optimizer={**SGD, **optimizer})
     setup = build(cfg, devices)
-    state = setup.init_state(cfg.train.seed)
-    step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule))
-    new_state, metrics = step(state, setup.place_batch(batch))
+    placed = setup.place_batch(batch)
+    state = initial_state(setup)
+    step, _ = setup.compile_step(state, placed, FAST_COMPILE)
+    new_state, metrics = step(state, placed)
     return jax.device_get(new_state.params), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def plain_step():
+    """(params, metrics) of tiny_config()'s SGD step on its first batch over 8 devices (data-parallel, one
+    micro-batch): the reference of the accumulation and remat tests, compiled once."""
+    return _one_step(tiny_config(), next(pattern_batches(tiny_config())))
+
+
+def _trained(cfg):
+    """The train loop on the pattern batches, from initial_state."""
+    return train(cfg, data=(pattern_batches(cfg), None), state=initial_state(build(cfg)))
 
 
 def _assert_trees_close(a, b, **tol):
@@ -35,7 +48,7 @@ def test_gradient_clipping_scales_the_update_to_clip_over_the_global_norm():
     """Megatron's clip: grads * clip / (global norm + 1e-6), checked against the unclipped SGD step's gradients."""
     cfg, clip = tiny_config(), 0.05
     batch = next(pattern_batches(cfg))
-    init = jax.device_get(build(cfg.replace(optimizer=SGD), jax.devices()[:1]).init_state(cfg.train.seed).params)
+    init = jax.device_get(initial_state(build(cfg.replace(optimizer=SGD), jax.devices()[:1])).params)
     # A large step keeps the fp32 differences p0 - p well above the params' rounding.
     free, m_free = _one_step(cfg, batch, jax.devices()[:1], lr=100.0)
     clipped, m_clipped = _one_step(cfg, batch, jax.devices()[:1], lr=100.0, clip_grad=clip)
@@ -47,16 +60,17 @@ def test_gradient_clipping_scales_the_update_to_clip_over_the_global_norm():
 
 def test_loss_decreases_on_the_tiny_config():
     cfg = tiny_config(train=dict(train_iters=30), logging=dict(log_interval=1, progress=False))
-    result = train(cfg, data=(pattern_batches(cfg), None))
+    result = _trained(cfg)
     losses = [r["loss"] for r in result.history]
     # Half the targets copy the current token (learnable), half are uniform: the loss floor is ~ln(127)/2 = 2.4.
     assert losses[0] > 4.5 and np.mean(losses[-5:]) < 3.5, losses
     assert all(np.isfinite(losses))
 
 
-def test_gradient_accumulation_equals_the_large_batch_step():
+def test_gradient_accumulation_equals_the_large_batch_step(plain_step):
     batch = next(pattern_batches(tiny_config()))
-    big, m_big = _one_step(tiny_config(train=dict(micro_batch_size=None)), batch)  # 1 micro-batch of 16
+    assert tiny_config().train.micro_batch_size is None
+    big, m_big = plain_step  # 1 micro-batch of 16
     acc, m_acc = _one_step(tiny_config(train=dict(micro_batch_size=1)), batch)  # 2 micro-batches of 8
     single, _ = _one_step(tiny_config(), batch, devices=jax.devices()[:1])  # one device, no accumulation
     np.testing.assert_allclose(m_big["loss"], m_acc["loss"], rtol=1e-6)
@@ -66,9 +80,9 @@ def test_gradient_accumulation_equals_the_large_batch_step():
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_remat_policies_give_identical_loss_and_grads(policy):
+def test_remat_policies_give_identical_loss_and_grads(policy, plain_step):
     batch = next(pattern_batches(tiny_config()))
-    ref, m_ref = _one_step(tiny_config(), batch)
+    ref, m_ref = plain_step
     got, m_got = _one_step(tiny_config(execution=dict(remat_policy=policy)), batch)
     np.testing.assert_allclose(m_ref["loss"], m_got["loss"], rtol=1e-6)
     np.testing.assert_allclose(m_ref["grad_norm"], m_got["grad_norm"], rtol=1e-5)
@@ -108,12 +122,12 @@ def test_remat_attn_core_keeps_the_attention_kernel_results():
 def test_nonfinite_loss_stops_the_run_naming_the_step():
     cfg = tiny_config(train=dict(train_iters=4))
     with pytest.raises(NonFiniteError, match="at step 2"):
-        train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None))
+        train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None), state=initial_state(build(cfg)))
 
 
 def test_nonfinite_step_is_skipped_by_flag_and_training_continues():
     cfg = tiny_config(train=dict(train_iters=4, on_nonfinite="skip"))
-    result = train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None))
+    result = train(cfg, data=(pattern_batches(cfg, nan_mask_at=1), None), state=initial_state(build(cfg)))
     assert result.history[-1]["skipped_steps"] == 1
     assert int(result.state.first_nonfinite_step) == 1
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(result.state.params)))
@@ -122,7 +136,7 @@ def test_nonfinite_step_is_skipped_by_flag_and_training_continues():
 def test_fp16_dynamic_loss_scale_shrinks_on_overflow_and_trains():
     cfg = tiny_config(train=dict(train_iters=12), precision=dict(compute_dtype="float16",
                                                                  initial_loss_scale=2.0**40, hysteresis=1))
-    result = train(cfg, data=(pattern_batches(cfg), None))
+    result = _trained(cfg)
     scales = [r["loss_scale"] for r in result.history]
     assert scales[0] == 2.0**40 and scales[-1] < 2.0**40
     assert result.history[-1]["skipped_steps"] >= 1
@@ -161,8 +175,9 @@ def test_fused_cross_entropy_never_holds_the_whole_logits():
         cfg = tiny_config(model=dict(vocab_size=8192), execution=dict(cross_entropy_impl=impl, cross_entropy_chunk=32),
                           train=dict(global_batch_size=16, seq_length=256))
         setup = build(cfg, jax.devices()[:1])
-        state = setup.init_state(0)
-        compiled, _ = setup.compile_step(state, setup.place_batch(next(pattern_batches(cfg))))
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                             setup.state_sharding)
+        compiled, _ = setup.compile_step(state, setup.place_batch(next(pattern_batches(cfg))), FAST_COMPILE)
         return compiled.memory_analysis().temp_size_in_bytes
 
     logits_bytes = 16 * 256 * 8192 * 4  # fp32 [batch, seq, vocab]
@@ -176,9 +191,9 @@ def test_evaluation_follows_cross_entropy_impl():
         cfg = tiny_config(model=dict(vocab_size=8192), execution=dict(cross_entropy_impl=impl, cross_entropy_chunk=32),
                           train=dict(global_batch_size=16, seq_length=256))
         setup = build(cfg, jax.devices()[:1])
-        params = setup.init_state(0).params
+        params = initial_state(setup, 0).params
         batch = {k: jnp.asarray(v) for k, v in next(pattern_batches(cfg)).items()}
-        step = jax.jit(make_eval_step(setup.model, cfg)).lower(params, batch).compile()
+        step = jax.jit(make_eval_step(setup.model, cfg)).lower(params, batch).compile(FAST_COMPILE)
         return [float(x) for x in step(params, batch)], step.memory_analysis().temp_size_in_bytes
 
     (ref_sums, ref_temp), (fused_sums, fused_temp) = eval_run("reference"), eval_run("fused")
