@@ -13,27 +13,27 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import build, train
-from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep
-from tests.helpers.train_utils import multiprocess_config, pattern_batches, tiny_config
+from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep_each
+from tests.helpers.train_utils import (FAST_COMPILE, initial_state, multiprocess_config, pattern_batches, run_steps,
+                                       tiny_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 # fp32 SGD (no sign-like first Adam step), 3 steps: every GEMM's output and input gradients moved by up to 4 ulps at
 # random move the losses by <= 2e-7 and the params by <= 1.2e-7, as the layouts do; tolerances are 10x and more.
+# (ZeRO-1 splits optimizer state, which SGD has none of: its layouts are tested with Adam below.)
 LAYOUTS = {
     "dp8": dict(),
     "fsdp8": dict(fsdp=8),
     "tp2_dp4": dict(tp=2),
     "tp4_sp_dp2": dict(tp=4, sequence_parallel=True),
     "tp2_fsdp2_dp2": dict(tp=2, fsdp=2),
-    "zero1_dp4_tp2": dict(tp=2, use_distributed_optimizer=True),
 }
 
 
 def _run(parallel, devices, steps=3):
-    cfg = tiny_config(parallel=parallel, optimizer=SGD, train=dict(train_iters=steps))
-    result = train(cfg, data=(pattern_batches(cfg), None), devices=devices)
-    return [r["loss"] for r in result.history], jax.device_get(result.state.params), result.state
+    history, state = run_steps(tiny_config(parallel=parallel, optimizer=SGD, train=dict(train_iters=steps)), devices)
+    return [float(m["loss"]) for m in history], jax.device_get(state.params), state
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +55,26 @@ def _spec(x):
     return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
 
 
-@pytest.mark.parametrize("parallel", [dict(tp=2, sequence_parallel=True), dict(tp=2, fsdp=4)])
-def test_bf16_compute_under_tp_sp_and_fsdp_matches_single_device(parallel):
-    """In bf16 the SwiGLU backward takes the packed (gate, up) word path and the fused projections run sharded: 3
-    steps in lockstep with one device's from the same state (tests/helpers/lockstep.py; free-running, bf16 Adam steps drift
-    apart by more than one step's rounding), within bf16's one-step noise floor."""
-    def cfg(parallel):
-        return tiny_config(parallel=parallel, precision=dict(compute_dtype="bfloat16"), train=dict(train_iters=3))
+BF16_LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "tp2_fsdp4": dict(tp=2, fsdp=4)}
 
-    assert_steps_close(lockstep(cfg({}), cfg(parallel), jax.devices()[:1], jax.devices()), **BF16_TOL)
+
+@pytest.fixture(scope="module")
+def bf16_lockstep():
+    """layout -> 2 bf16 steps of it in lockstep with one device's (one reference for all of them)."""
+    def cfg(parallel):
+        return tiny_config(parallel=parallel, precision=dict(compute_dtype="bfloat16"), train=dict(train_iters=2))
+
+    others = [(cfg(p), jax.devices()) for p in BF16_LAYOUTS.values()]
+    return dict(zip(BF16_LAYOUTS, lockstep_each(cfg({}), others, jax.devices()[:1], compiler_options=FAST_COMPILE)))
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_bf16_compute_under_tp_sp_and_fsdp_matches_single_device(layout, bf16_lockstep):
+    """In bf16 the SwiGLU backward takes the packed (gate, up) word path and the fused projections run sharded: 2
+    steps (the second from trained weights and Adam moments) in lockstep with one device's from the same state
+    (tests/helpers/lockstep.py; free-running, bf16 Adam steps drift apart by more than one step's rounding), within
+    bf16's one-step noise floor."""
+    assert_steps_close(bf16_lockstep[layout], **BF16_TOL)
 
 
 def _check_placement(layout, state):
@@ -78,8 +89,7 @@ def _check_placement(layout, state):
 
 
 def _adam_moments(parallel, devices):
-    cfg = tiny_config(parallel=parallel, train=dict(train_iters=1))
-    state = train(cfg, data=(pattern_batches(cfg), None), devices=devices).state
+    _, state = run_steps(tiny_config(parallel=parallel, train=dict(train_iters=1)), devices)
     adam = state.opt_state[0]  # optax.adamw: (ScaleByAdamState, ...)
     return adam.mu, adam.nu
 
@@ -103,12 +113,13 @@ def _compiled_step_hlo(parallel):
 
     cfg = tiny_config(parallel=parallel)
     setup = build(cfg)
-    state = setup.init_state(0)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                         setup.state_sharding)
     batch = setup.place_batch(next(pattern_batches(cfg)))
     with logical_sharding(setup.mesh, logical_rules(cfg)):
         step = jax.jit(make_train_step(setup.model, cfg, setup.tx, setup.schedule),
                        in_shardings=(setup.state_sharding, setup.batch_sharding))
-        return step.lower(state, batch).compile().as_text(), setup
+        return step.lower(state, batch).compile(FAST_COMPILE).as_text(), setup
 
 
 def _gathered_shapes(hlo):
@@ -141,7 +152,8 @@ def _free_port():
 @pytest.mark.slow
 def test_two_processes_match_the_single_process_run(tmp_path):
     cfg = multiprocess_config()
-    expected = [r["loss"] for r in train(cfg, data=(pattern_batches(cfg), None)).history]
+    run = train(cfg, data=(pattern_batches(cfg), None), state=initial_state(build(cfg)))
+    expected = [r["loss"] for r in run.history]
     port, env = _free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "multiprocess_train.py"), str(i), str(port),
                                str(tmp_path / f"{i}.json")], env=env, stdout=subprocess.PIPE,
