@@ -39,7 +39,8 @@ from mjax.kernels.attention.flash_forward import flash_forward  # noqa: E402
 
 flags.DEFINE_string("json_out", "", "Write the environment, the sweep and the table as JSON here (rewritten after "
                     "each stage).")
-flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU.")
+flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU (at seqs 64,128, "
+                  "or at --seqs where given).")
 flags.DEFINE_bool("tune", True, "Sweep the block sizes first (--notune: the table uses the library's defaults).")
 flags.DEFINE_list("seqs", ["2048", "4096", "8192"], "Sequence lengths of the table.")
 flags.DEFINE_integer("tokens", 32768, "Batch * seq of each table row.")
@@ -62,7 +63,7 @@ BWD_CONFIGS = [  # (dq kernel: bq, bk, warps, stages), (dk/dv kernel: bq, bk, wa
     ((128, 64, 8, 3), (64, 128, 8, 3)),
 ]
 # --smoke: the same code paths at toy sizes; the sweep tries the first two configurations of each list (the blocks
-# clamped to the sequence), as every interpreted compile costs seconds on a CPU.
+# clamped to the sequence), as every interpreted compile costs seconds on a CPU; --seqs, where given, replaces seqs.
 SMOKE = dict(heads=(4, 2, HEAD_DIM), tune=(128, 1), configs=2, seqs=[64, 128], tokens=128, skip_xla_bwd_over=64)
 
 
@@ -238,7 +239,8 @@ def main(_):
                              "full size for hours; pass --smoke to check the script at toy sizes")
     if FLAGS.smoke:
         heads, (tune_t, tune_b) = SMOKE["heads"], SMOKE["tune"]
-        seqs, tokens, skip_xla_bwd_over = SMOKE["seqs"], SMOKE["tokens"], SMOKE["skip_xla_bwd_over"]
+        seqs = seqs if FLAGS["seqs"].present else SMOKE["seqs"]
+        tokens, skip_xla_bwd_over = SMOKE["tokens"], SMOKE["skip_xla_bwd_over"]
     else:
         heads, (tune_t, tune_b) = (HEADS, KV_HEADS, HEAD_DIM), (TUNE_SEQ, TUNE_BATCH)
         tokens, skip_xla_bwd_over = FLAGS.tokens, FLAGS.skip_xla_bwd_over

@@ -1,6 +1,6 @@
 """Every parallel layout that fits the devices gives the one-device losses: a table, on CPU or GPU.
 
-  python -m benchmarks.check_layouts --steps=5 [--json_out=layouts.json]
+  python -m benchmarks.check_layouts --steps=5 [--json_out=layouts.json] [--layouts="tp2 sp dp4,pp2 dp4"]
 
 Runs a small Llama-style model in fp32 (matmuls at full precision) on the same synthetic batches for every layout:
 one compile of the train step per layout, nothing else (GEMM autotuning off: the model is tiny and the check is
@@ -20,7 +20,10 @@ from mjax.xla_flags import apply_defaults
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 apply_defaults()
 flags.DEFINE_integer("steps", 5, "Training steps per layout.")
+flags.DEFINE_integer("seq_length", 256, "Tokens per sequence (a multiple of 2: sequence parallelism splits it).")
 flags.DEFINE_string("json_out", None, "Write the table here as JSON.")
+flags.DEFINE_list("layouts", None, "Only these layouts, by their names in the table (default: every layout that "
+                  "fits the devices).")
 FLAGS = flags.FLAGS
 
 
@@ -31,6 +34,18 @@ def layouts(n: int) -> dict:
         out[f"tp2 fsdp{n // 2}"] = dict(tp=2, fsdp=n // 2)
         out[f"pp2 dp{n // 2}"] = dict(pp=2)
     return out
+
+
+def chosen_layouts(n: int, names: list[str] | None) -> dict:
+    """The layouts of `n` devices named by --layouts (all of them without it), in the table's order."""
+    every = layouts(n)
+    if names is None:
+        return every
+    unknown = [name for name in names if name not in every]
+    if unknown or not names:
+        what = f"unknown {unknown}" if unknown else "no layout named"
+        raise app.UsageError(f"--layouts={','.join(names)}: {what}; on {n} devices choose from {', '.join(every)}")
+    return {name: parallel for name, parallel in every.items() if name in names}
 
 
 def step_losses(cfg, devices, steps: int) -> list[float]:
@@ -55,11 +70,14 @@ def main(argv):
     from mjax.logging_setup import setup_logging  # noqa: PLC0415
 
     setup_logging()
+    if FLAGS.seq_length < 2 or FLAGS.seq_length % 2:
+        raise app.UsageError(f"--seq_length={FLAGS.seq_length}: expected an even length >= 2")
     n = jax.device_count()
+    chosen = chosen_layouts(n, FLAGS.layouts)
     base = load_config("tiny").replace(
         model=dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512,
                    vocab_size=1024),
-        train=dict(train_iters=FLAGS.steps, global_batch_size=4 * n, micro_batch_size=2, seq_length=256),
+        train=dict(train_iters=FLAGS.steps, global_batch_size=4 * n, micro_batch_size=2, seq_length=FLAGS.seq_length),
         precision=dict(compute_dtype="float32"),
         # Plain SGD with a large step: each loss then depends on the size of every earlier gradient (Adam would
         # normalise a wrongly scaled gradient away), and the losses move enough to tell layouts apart.
@@ -68,7 +86,7 @@ def main(argv):
     print(f"{'layout':<16} {'max rel diff vs 1 device':>26}   losses", flush=True)
     print(f"{'1 device':<16} {'':>26}   {' '.join(f'{x:.5f}' for x in reference)}", flush=True)
     rows = []
-    for name, parallel in layouts(n).items():  # each row printed and saved as it ends: a time limit keeps them
+    for name, parallel in chosen.items():  # each row printed and saved as it ends: a time limit keeps them
         try:
             got = step_losses(base.replace(parallel=parallel), jax.devices(), FLAGS.steps)
             row = {"layout": name, "max_rel_diff": float(np.max(np.abs(np.subtract(got, reference)) /

@@ -36,18 +36,19 @@ def test_sweep_tuple_fields_and_xla_options():
 
 
 def test_benchmark_script_prints_a_table_and_json(tmp_path):
+    """One sweep case and the baseline (the sweep's grid: above; remat's equal losses: test_train.py)."""
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.benchmark", "--config=tiny", "--model.num_layers=2",
-         "--steps=2", "--sweep=remat_policy=none,full", "--baseline", f"--json_out={tmp_path / 'b.json'}"],
+        [sys.executable, "-m", "benchmarks.benchmark", "--config=tiny", "--model.num_layers=2", "--seq_length=64",
+         "--steps=2", "--sweep=remat_policy=full", "--baseline", f"--json_out={tmp_path / 'b.json'}"],
         env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True,
         timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "matmul ceiling measured in this run" in out.stdout
-    assert "remat_policy=none" in out.stdout and "remat_policy=full" in out.stdout
+    assert "remat_policy=full" in out.stdout and "plain-JAX baseline (1 device)" in out.stdout
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["devices"] == 8 and data["ceiling_tflops"] > 0
     rows = data["results"]
-    assert [r["name"] for r in rows] == ["remat_policy=none", "remat_policy=full", "plain-JAX baseline (1 device)"]
+    assert [r["name"] for r in rows] == ["remat_policy=full", "plain-JAX baseline (1 device)"]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in rows)
-    assert abs(rows[0]["loss"] - rows[1]["loss"]) < 1e-5  # remat changes memory, never the result
-    assert abs(rows[2]["loss"] - np.log(1024)) < 0.5  # random tokens over the tiny vocab, near initialisation
+    # Random tokens over the tiny vocab, near initialisation: both steps compute the language-model loss.
+    assert all(abs(r["loss"] - np.log(1024)) < 0.5 for r in rows)

@@ -288,10 +288,10 @@ def test_default_tiling_takes_the_widest_blocks_that_divide():
 
 @pytest.mark.slow
 def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
-    """The script end to end off GPU (tiny shapes, kernels interpreted; a subprocess, as its absl flags are global):
-    the table, the sweep, --check, the JSON and the row distributions it times."""
+    """The script end to end off GPU (one tiny shape, kernels interpreted; a subprocess, as its absl flags are
+    global): the table, the sweep, --check, the JSON and the row distributions it times."""
     out = tmp_path / "gmm.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--smoke", "--check",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--shapes=4x40x64x32", "--check",
                            "--min_time_s=0.001", "--dists=balanced,skewed,empty", "--tilings=16x16x16w4s3",
                            f"--json_out={out}"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})
@@ -302,6 +302,7 @@ def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
     assert all(r["ok"] for r in report["check"])
     assert {r["dist"] for r in report["check"]} == {"balanced", "skewed", "empty", "padded"}
     assert set(report["best_tiles"]["4x40x64x32"]) == {"forward", "dgrad", "wgrad"}
+    assert list(report["group_sizes"]) == ["4x40x64x32"]  # the shape asked for
     for shape, dists in report["group_sizes"].items():
         groups, rows = (int(v) for v in shape.split("x")[:2])
         total = groups * rows
