@@ -42,3 +42,13 @@ def convert_both_ways(names, root: Path) -> dict:
         mjax_to_hf(root / name / "mjax", root / name / "hf", max_shard_bytes=100_000)
         out[name] = (root / name / "mjax", root / name / "hf")
     return out
+
+
+def assert_same_tensors(original_dir: Path, exported_dir: Path) -> None:
+    """Every tensor of original_dir's safetensors is in exported_dir's, with the same dtype, shape and bytes."""
+    original, exported = read_safetensors(original_dir), read_safetensors(exported_dir)
+    assert sorted(original) == sorted(exported)
+    for k, a in original.items():
+        b = exported[k]
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), k
+        assert a.tobytes() == b.tobytes(), f"{k} differs after hf -> mjax -> hf"

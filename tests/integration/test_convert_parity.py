@@ -14,7 +14,8 @@ from mjax.storage import params as params_io
 from mjax.convert.hf import model_config_from_hf, params_from_hf
 from mjax.convert.spec import unflatten
 from mjax.model import build_model
-from tests.helpers.convert_utils import FIXTURES, convert_both_ways, LOGITS_ATOL, NAMES, next_token_loss, read_safetensors, reference
+from tests.helpers.convert_utils import (FIXTURES, LOGITS_ATOL, NAMES, assert_same_tensors, convert_both_ways,
+                                         next_token_loss, read_safetensors, reference)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +43,7 @@ def test_mjax_checkpoint_matches_reference_logits(name, converted):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_round_trip_reproduces_every_tensor(name, converted):
-    original, exported = read_safetensors(FIXTURES / name), read_safetensors(converted[name][1])
-    assert sorted(original) == sorted(exported)
-    for k, a in original.items():
-        b = exported[k]
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), k
-        assert a.tobytes() == b.tobytes(), f"{k} differs after hf -> mjax -> hf"
+    assert_same_tensors(FIXTURES / name, converted[name][1])
     hf_dir = converted[name][1]
     assert (hf_dir / "model.safetensors.index.json").exists()  # small shards forced an index
     src, dst = (json.loads((d / "config.json").read_text()) for d in (FIXTURES / name, hf_dir))
