@@ -10,34 +10,33 @@ import jax
 import numpy as np
 import pytest
 
-from mjax.train.loop import train
-from tests.helpers.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import run_steps, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_dense_layers=1,
            moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+MOE_ONLY = dict(MOE, moe_first_dense_layers=0, num_layers=2)  # every layer MoE: what a pipeline stage needs
 # DeepSeek-V3-style routing: sigmoid scores, group-limited top-k, the expert bias moved by the step's loads.
-SIGMOID = dict(MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+SIGMOID = dict(MOE_ONLY, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                moe_router_bias_update_rate=0.05, moe_router_num_groups=2, moe_router_group_topk=1,
                moe_router_topk_scaling_factor=2.0, moe_router_load_balancing_type="seq_aux_loss")
 # Every layout splits the global batch of 8 into 2 micro-batches of 4 sequences, as one device does: the aux loss is
-# per micro-batch, so its scope must be the same.
+# per micro-batch, so its scope must be the same. dp2_fsdp2 takes both data-parallel paths at once (the batch split
+# over data and fsdp, the expert weights gathered over fsdp).
 LAYOUTS = {
     "dp2_tp2_sp": (dict(dp=2, tp=2, sequence_parallel=True), 2, MOE),
-    "fsdp4": (dict(fsdp=4), 1, MOE),
-    "dp4": (dict(dp=4), 1, SIGMOID),
-    "pp2_1f1b_dp2": (dict(pp=2, dp=2, pipeline_schedule="1f1b"), 2, dict(MOE, moe_first_dense_layers=0, num_layers=2)),
-    "pp2_gpipe_tp2": (dict(pp=2, tp=2, pipeline_schedule="gpipe"), 4, dict(MOE, moe_first_dense_layers=0,
-                                                                          num_layers=2)),
+    "dp2_fsdp2": (dict(dp=2, fsdp=2), 1, SIGMOID),
+    "pp2_1f1b_dp2": (dict(pp=2, dp=2, pipeline_schedule="1f1b"), 2, MOE_ONLY),
+    "pp2_gpipe_tp2": (dict(pp=2, tp=2, pipeline_schedule="gpipe"), 4, MOE_ONLY),
 }
 
 
 def _run(model, parallel, devices, micro):
     cfg = tiny_config(model=model, parallel=parallel, optimizer=SGD,
                       train=dict(train_iters=3, global_batch_size=8, micro_batch_size=micro))
-    result = train(cfg, data=(pattern_batches(cfg), None), devices=devices)
-    return result.history, jax.device_get(result.state.params)
+    history, state = run_steps(cfg, devices)
+    return history, jax.device_get(state.params), state
 
 
 _single = {}
@@ -53,9 +52,9 @@ def _single_device(model):
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "dp2_tp2_sp" else pytest.mark.slow) for k in LAYOUTS])
 def test_moe_layout_matches_single_device(layout):
     parallel, micro, model = LAYOUTS[layout]
-    ref_history, ref_params = _single_device(model)
+    ref_history, ref_params, _ = _single_device(model)
     devices = int(np.prod([v for k, v in parallel.items() if k in ("dp", "tp", "fsdp", "pp")]))
-    history, params = _run(model, parallel, jax.devices()[:devices], micro)
+    history, params, state = _run(model, parallel, jax.devices()[:devices], micro)
     # float32 compute: the layouts reorder reductions only (noise ~1e-7 relative on the loss)
     for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min"):
         np.testing.assert_allclose([r[key] for r in history], [r[key] for r in ref_history], rtol=2e-5, err_msg=key)
@@ -64,12 +63,15 @@ def test_moe_layout_matches_single_device(layout):
     if model is SIGMOID:  # the bias moved, the same way on every layout
         bias = params["moe_layers"]["mlp"]["router"]["expert_bias"]
         assert np.abs(bias).max() > 0
+    if "fsdp" in parallel:  # the experts' weights really are split over fsdp
+        kernel = state.params["moe_layers"]["mlp"]["experts"]["up_proj"]["kernel"]
+        assert "fsdp" in jax.tree.leaves(tuple(kernel.sharding.spec)), kernel.sharding.spec
 
 
 def _cli_losses(tmp_path, name, *flags):
     metrics = tmp_path / f"{name}.jsonl"
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), "--train_iters=40", "--log_interval=1", "--eval_interval=0",
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--train_iters=20", "--log_interval=1", "--eval_interval=0",
          "--lr=3e-3", "--lr_warmup_iters=5", f"--data_cache_path={tmp_path / 'cache'}", f"--metrics_file={metrics}",
          "--noprogress", *flags],
         capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -87,5 +89,7 @@ def test_tiny_moe_trains_on_the_sample_corpus_like_the_dense_model(tmp_path):
     d, m = [r["loss"] for r in dense], [r["loss"] for r in moe]
     # Both fall from ln(1024) = 6.93 by far more than the run-to-run spread, and the MoE model (the dense model's
     # attention with 8 experts of its FFN size top-2: twice the active FFN) ends no worse than the dense one.
+    # Measured over seeds 1234 (the default), 1 and 2: by step 20 the dense model fell by 1.00-1.03 and the MoE by
+    # 0.95-1.02 (their plateau: 40 steps fall by 1.06 and 1.03), the MoE ending 0.01-0.05 above the dense model.
     assert d[-1] < d[0] - 0.8 and m[-1] < m[0] - 0.8
     assert m[-1] < d[-1] + 0.2
