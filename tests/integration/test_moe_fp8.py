@@ -18,7 +18,7 @@ import pytest
 from mjax.config import ConfigError
 from mjax.parallel.layout import validate_layout
 from mjax.train.loop import build, train
-from tests.helpers.train_utils import pattern_batches, tiny_config
+from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
 
 STEPS, WINDOW_TOL, FINAL_TOL, FIRST_TOL = 50, 0.2, 0.1, 0.005
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_first_dense_layers=1,
@@ -86,7 +86,8 @@ def runs():
     out = {}
     for name, precision in RECIPES.items():
         cfg = _cfg(**precision)
-        result = train(cfg, data=(pattern_batches(cfg), None), devices=jax.devices()[:1])
+        state = initial_state(build(cfg, jax.devices()[:1]))
+        result = train(cfg, data=(pattern_batches(cfg), None), devices=jax.devices()[:1], state=state)
         losses = np.array([r["loss"] for r in result.history])
         out[name] = (losses, result.state)
         print(name, "windows", np.round(losses.reshape(-1, 10).mean(1), 3))
@@ -125,9 +126,8 @@ def test_fp8_state_holds_the_expert_projections(runs):
 
 
 def _train_losses(cfg, devices, iters):
-    cfg = cfg.replace(train=dict(train_iters=iters, micro_batch_size=4))
-    result = train(cfg, data=(pattern_batches(cfg), None), devices=devices)
-    return np.array([r["loss"] for r in result.history]), result.state
+    history, state = run_steps(cfg.replace(train=dict(train_iters=iters, micro_batch_size=4)), devices)
+    return np.array([float(m["loss"]) for m in history]), state
 
 
 @pytest.mark.slow
