@@ -1,168 +1,22 @@
 """The MoE layer against a per-token NumPy float64 loop over each token's chosen experts (forward) and against
-jax.grad of a dense pure-JAX layer that runs every expert on every token with masks (gradients)."""
-
-import dataclasses
+jax.grad of a dense pure-JAX layer that runs every expert on every token with masks (gradients); its parameters,
+options and errors (tests/helpers/moe_oracle.py has both references)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax import lax
-from jax.sharding import Mesh
 
-from mjax.config import ExecutionConfig, ModelConfig
-from mjax.model import moe as moe_module
+from mjax.config import ExecutionConfig
 from mjax.model import router
 from mjax.model.moe import MoE
-from mjax.model.moe_dispatch import plan_dispatch
-from mjax.sharding import logical_sharding
-from tests.unit.test_router import enable_x64, np_capacity_keep, np_route, np_sigmoid
+from tests.helpers.router_oracle import enable_x64, np_sigmoid
+from tests.helpers.moe_oracle import (B, T, D, F, E, make_cfg, make_moe, call, params_of, inputs, np64, np_routing,
+                                      np_moe, dense_reference)
 
 # float32 layer vs float64 oracle, O(1) activations and D, F <= 32: measured differences stay below 2e-6.
 TOL = dict(rtol=2e-5, atol=2e-5)
-B, T, D, F, E = 4, 6, 16, 32, 4
-
-
-def make_cfg(**kw):
-    base = dict(hidden_size=D, ffn_hidden_size=64, num_layers=2, num_experts=E, moe_ffn_hidden_size=F,
-                moe_router_topk=2, init_method_std=0.3)
-    return ModelConfig(**{**base, **kw})
-
-
-def make_moe(cfg, seed=0, dtype=jnp.float32, execution=None):
-    return MoE(cfg, dtype=dtype, param_dtype=jnp.float32, execution=execution, rngs=nnx.Rngs(seed))
-
-
-def call(m, x, key=None):
-    """m(x, key=key) compiled as one program (much faster than op-by-op on CPU)."""
-    graphdef, state = nnx.split(m)
-    return jax.jit(lambda state, x, key: nnx.merge(graphdef, state)(x, key=key))(state, x, key)
-
-
-def params_of(m):
-    return nnx.to_pure_dict(nnx.state(m, nnx.Param))
-
-
-def inputs(seed=1, shape=(B, T, D)):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def route_kwargs(cfg):
-    return dict(topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
-                pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
-                group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor)
-
-
-# ---- the NumPy float64 oracle ----
-
-def np_silu(x):
-    return x * np_sigmoid(x)
-
-
-def np_gelu(x):  # tanh approximation
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-
-
-def np64(tree):
-    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
-
-
-def np_routing(p, x, cfg):
-    """(x [N, D], logits, weights [N, k], experts [N, k]) in float64; asserts no near-tie at the top-k boundary, so
-    float32 routing cannot choose differently."""
-    x = np.asarray(x, np.float64).reshape(-1, D)
-    logits = x @ p["router"]["kernel"]
-    bias = p["router"].get("expert_bias")
-    weights, experts = np_route(logits, expert_bias=bias, **route_kwargs(cfg))
-    if not cfg.moe_router_group_topk:
-        choice = np_sigmoid(logits) + (0 if bias is None else bias) if cfg.moe_router_score_function == "sigmoid" \
-            else logits
-        ranked = np.sort(choice, -1)[:, ::-1]
-        k = cfg.moe_router_topk
-        if k < ranked.shape[1]:
-            assert (ranked[:, k - 1] - ranked[:, k]).min() > 1e-4, "near-tie in the routing: pick another seed"
-    return x, logits, weights, experts
-
-
-def np_expert(p, x, e, gated):
-    ex = p["experts"]
-    if gated:
-        h = np_silu(x @ ex["gate_proj"]["kernel"][e]) * (x @ ex["up_proj"]["kernel"][e])
-    else:
-        h = np_gelu(x @ ex["up_proj"]["kernel"][e])
-    return h @ ex["down_proj"]["kernel"][e]
-
-
-def np_shared(p, x):
-    if "shared_experts" not in p:
-        return 0.0
-    s = p["shared_experts"]
-    y = (np_silu(x @ s["gate_proj"]["kernel"]) * (x @ s["up_proj"]["kernel"])) @ s["down_proj"]["kernel"]
-    if "shared_expert_gate" in p:
-        y = y * np_sigmoid(x @ p["shared_expert_gate"]["kernel"])
-    return y
-
-
-def np_moe(params, x_in, cfg, keep=None):
-    """y [B, T, D]: for each token, the sum over its (kept) slots of weight * expert(token), plus shared experts."""
-    p = np64(params)
-    x, _, weights, experts = np_routing(p, x_in, cfg)
-    gated = cfg.activation == "swiglu"
-    y = np.zeros_like(x)
-    for i in range(x.shape[0]):
-        for s in range(experts.shape[1]):
-            if keep is None or keep[i, s]:
-                y[i] += weights[i, s] * np_expert(p, x[i], experts[i, s], gated)
-    return (y + np_shared(p, x)).reshape(np.shape(x_in))
-
-
-def np_keep(params, x_in, cfg, groups):
-    """The assignments the drop policy keeps, per dispatch group of B / groups whole sequences (capacity from
-    Megatron's formula over the group's tokens; position priority = position in the sequence, then sequence)."""
-    p = np64(params)
-    _, _, weights, experts = np_routing(p, x_in, cfg)
-    b, t = np.shape(x_in)[:2]
-    bg, n, k = b // groups, b // groups * t, cfg.moe_router_topk
-    capacity = router.expert_capacity(n, cfg.num_experts, k, cfg.moe_expert_capacity_factor)
-    keep = np.zeros(experts.shape, bool)
-    for g in range(groups):
-        sl = slice(g * n, (g + 1) * n)
-        i = np.arange(n)
-        priority = (i % t) * bg + i // t
-        keep[sl] = np_capacity_keep(weights[sl], experts[sl], capacity, cfg.moe_token_drop_policy, priority)
-    return keep
-
-
-# ---- the dense pure-JAX reference (every expert on every token, masked) ----
-
-def dense_reference(p, x, cfg, aux_coeff, z_coeff):
-    """(y [B, T, D], aux loss + z-loss) for softmax routing, top-k then softmax, dropless."""
-    xf = x.reshape(-1, D)
-    k = cfg.moe_router_topk
-    logits = jnp.dot(xf, p["router"]["kernel"], precision=lax.Precision.HIGHEST)
-    top, idx = lax.top_k(logits, k)
-    w = jax.nn.softmax(top, axis=-1)
-    combine = sum(jax.nn.one_hot(idx[:, s], E) * w[:, s:s + 1] for s in range(k))  # [N, E]
-    ex = p["experts"]
-    y = jnp.zeros_like(xf)
-    for e in range(E):
-        h = jax.nn.silu(xf @ ex["gate_proj"]["kernel"][e]) * (xf @ ex["up_proj"]["kernel"][e])
-        y = y + combine[:, e:e + 1] * (h @ ex["down_proj"]["kernel"][e])
-    if "shared_experts" in p:
-        s = p["shared_experts"]
-        shared = (jax.nn.silu(xf @ s["gate_proj"]["kernel"]) * (xf @ s["up_proj"]["kernel"])) @ s["down_proj"]["kernel"]
-        y = y + shared * jax.nn.sigmoid(xf @ p["shared_expert_gate"]["kernel"])
-    probs = jax.nn.softmax(logits, axis=-1)
-    loads = lax.stop_gradient(sum(jax.nn.one_hot(lax.top_k(probs, k)[1][:, s], E) for s in range(k)))  # [N, E]
-    aux = 0.0
-    groups = x.shape[0] // 2  # aux_loss per 2-sequence group, averaged over the groups
-    for g in range(groups):
-        sl = slice(g * 2 * x.shape[1], (g + 1) * 2 * x.shape[1])
-        f = loads[sl].sum(0) / (loads[sl].shape[0] * k)
-        aux = aux + E * aux_coeff * jnp.sum(f * probs[sl].mean(0)) / groups
-    z = z_coeff * jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return y.reshape(x.shape), aux + z
 
 
 # ---- forward ----
@@ -335,80 +189,6 @@ def test_selective_remat_keeps_gradients():
         assert f"name={name}" in jaxpr, name
 
 
-# ---- dispatch groups ----
-
-def _with_groups(monkeypatch, groups, m, x):
-    monkeypatch.setattr(moe_module, "shards", lambda name: groups if name == "batch" else 1)
-    return call(m, x)
-
-
-def test_dropless_result_does_not_depend_on_dispatch_groups(monkeypatch):
-    cfg = make_cfg(moe_shared_expert_intermediate_size=24)
-    m = make_moe(cfg)
-    x = inputs()
-    y1, s1 = _with_groups(monkeypatch, 1, m, x)
-    for groups in (2, 4):
-        yg, sg = _with_groups(monkeypatch, groups, m, x)
-        np.testing.assert_allclose(yg, y1, rtol=1e-6, atol=1e-6)  # same rows, other GEMM batching
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), sg, s1)
-    y3, _ = _with_groups(monkeypatch, 3, m, x)  # 4 sequences do not split in 3: one group, same result
-    np.testing.assert_allclose(y3, y1, rtol=1e-6, atol=1e-6)
-
-
-def test_dispatch_groups_under_a_mesh():
-    cfg = make_cfg()
-    m = make_moe(cfg)
-    x = inputs(shape=(8, T, D))
-    y1, _ = call(m, x)
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
-    rules = {"batch": ("data",), "mlp": ("tensor",), "embed": (), "act_embed": (), "seq": (), "experts": ()}
-    graphdef, state = nnx.split(m)
-    with logical_sharding(mesh, rules):  # the rules are read while tracing: call() traces a fresh function
-        jaxpr = str(jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x))(state, x))
-        assert f"f32[4,{2 * T},{D}]" in jaxpr  # 4 dispatch groups of 2 sequences
-        y4, _ = call(m, x)
-    np.testing.assert_allclose(y4, y1, rtol=1e-6, atol=1e-6)
-
-
-# ---- capacity ----
-
-@pytest.mark.parametrize("policy", ["probs", "position"])
-@pytest.mark.parametrize("pad", [False, True])
-@pytest.mark.parametrize("groups", [1, 2])
-def test_capacity_mode_matches_oracle_with_drops(monkeypatch, policy, pad, groups):
-    cfg = make_cfg(moe_expert_capacity_factor=0.75, moe_token_drop_policy=policy,
-                   moe_pad_expert_input_to_capacity=pad, moe_shared_expert_intermediate_size=24)
-    m = make_moe(cfg, seed=5)
-    x = inputs(6)
-    y, stats = _with_groups(monkeypatch, groups, m, x)
-    keep = np_keep(params_of(m), x, cfg, groups)
-    assert not keep.all()  # the capacity drops something
-    np.testing.assert_allclose(y, np_moe(params_of(m), x, cfg, keep=keep), **TOL)
-    assert int(stats["dropped_assignments"]) == int((~keep).sum())
-    _, _, _, experts = np_routing(np64(params_of(m)), x, cfg)
-    np.testing.assert_array_equal(stats["kept_tokens_per_expert"], np.bincount(experts[keep], minlength=E))
-    np.testing.assert_array_equal(stats["tokens_per_expert"], np.bincount(experts.ravel(), minlength=E))
-
-
-def test_capacity_with_batch_not_divisible_by_shards(monkeypatch):
-    m = make_moe(make_cfg(moe_expert_capacity_factor=1.0))
-    with pytest.raises(ValueError, match="--moe_expert_capacity_factor"):
-        _with_groups(monkeypatch, 3, m, inputs())
-
-
-def test_pad_to_capacity_plan_computes_capacity_rows_per_expert():
-    n, k, capacity = 12, 2, 5
-    experts = jnp.asarray(np.random.default_rng(3).integers(0, E, size=(n, k)), jnp.int32)
-    experts = experts.at[:, 1].set((experts[:, 0] + 1) % E)  # distinct experts per token
-    weights = jnp.asarray(np.random.default_rng(4).random((n, k)), jnp.float32)
-    padded = plan_dispatch(experts, weights, num_experts=E, capacity=capacity, pad_to_capacity=True)
-    assert padded.row_token.shape == (E * capacity,)
-    np.testing.assert_array_equal(padded.group_sizes, [capacity] * E)
-    kept = np.minimum(np.bincount(np.asarray(experts).ravel(), minlength=E), capacity)
-    np.testing.assert_array_equal(np.asarray(padded.row_valid).reshape(E, capacity).sum(1), kept)
-    plain = plan_dispatch(experts, weights, num_experts=E, capacity=capacity)
-    np.testing.assert_array_equal(plain.group_sizes, kept)
-    np.testing.assert_array_equal(padded.keep, plain.keep)
 
 
 # ---- parameters, options and errors ----
@@ -497,4 +277,3 @@ def test_bad_options_name_the_flag(kw, flag):
 def test_precision_policy_is_rejected():
     with pytest.raises(ValueError, match="--fp8_recipe"):
         MoE(make_cfg(), dtype=jnp.float32, param_dtype=jnp.float32, quant=object(), rngs=nnx.Rngs(0))
-

@@ -10,96 +10,11 @@ import pytest
 
 from mjax.config import ModelConfig
 from mjax.model import router
+from tests.helpers.router_oracle import enable_x64, np_route, np_aux_scores, np_switch_loss, np_capacity_keep
 
 # float32 code vs float64 oracle on O(1) values: the measured difference is below 1e-6; 1e-5 leaves a margin for
 # other CPUs' reduction orders.
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def enable_x64():
-    """jax.enable_x64 (jax 0.12) or jax.experimental.enable_x64 (older)."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64 as older  # noqa: PLC0415
-
-    return older()
-
-
-# ---- NumPy oracles (used by test_moe_layer.py too) ----
-
-def np_softmax(x):
-    z = np.exp(x - x.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
-
-
-def np_sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def np_topk(scores, k):
-    """Top-k per row, descending, ties to the lower index."""
-    idx = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
-    return np.take_along_axis(scores, idx, -1), idx
-
-
-def np_group_topk(scores, k, groups, group_topk):
-    """DeepSeek's group-limited top-k as Megatron documents it: keep the group_topk groups whose best
-    (k / group_topk) scores sum highest, then the top-k of the kept experts."""
-    n, e = scores.shape
-    per = e // groups
-    masked = np.full_like(scores, -np.inf)
-    for i in range(n):
-        sums = [np.sort(scores[i, g * per:(g + 1) * per])[::-1][:k // group_topk].sum() for g in range(groups)]
-        for g in np.argsort(-np.array(sums), kind="stable")[:group_topk]:
-            masked[i, g * per:(g + 1) * per] = scores[i, g * per:(g + 1) * per]
-    return np_topk(masked, k)
-
-
-def np_route(logits, *, topk, score_function="softmax", pre_softmax=False, num_groups=None, group_topk=None,
-             scaling_factor=None, expert_bias=None):
-    """(weights [N, k], experts [N, k]) in float64, from the definitions of each score function."""
-    logits = np.asarray(logits, np.float64)
-
-    def pick(scores):
-        return np_group_topk(scores, topk, num_groups, group_topk) if group_topk else np_topk(scores, topk)
-
-    if score_function == "softmax" and pre_softmax:
-        weights, experts = pick(np_softmax(logits))
-    elif score_function == "softmax":
-        top, experts = pick(logits)
-        weights = np_softmax(top)
-    else:
-        scores = np_sigmoid(logits)
-        choice = scores if expert_bias is None else scores + np.asarray(expert_bias, np.float64)
-        _, experts = pick(choice)
-        weights = np.take_along_axis(scores, experts, -1)
-        if topk > 1:
-            weights = weights / weights.sum(-1, keepdims=True)
-    if scaling_factor:
-        weights = weights * scaling_factor
-    return weights, experts
-
-
-def np_aux_scores(logits, topk, score_function):
-    logits = np.asarray(logits, np.float64)
-    if score_function == "softmax":
-        probs = np_softmax(logits)
-    else:
-        s = np_sigmoid(logits)
-        probs = s / s.sum(-1, keepdims=True)
-    _, top = np_topk(probs, topk)
-    routed = np.zeros_like(probs)
-    np.put_along_axis(routed, top, 1.0, -1)
-    return probs, routed
-
-
-def np_switch_loss(probs, routed, topk, coeff):
-    """Switch Transformer's loss over a set of tokens, as Megatron writes it: E * coeff * sum_i f_i P_i with f_i
-    the fraction of the k*T assignments routed to expert i and P_i the mean probability of expert i."""
-    t, e = probs.shape
-    f = routed.sum(0) / (t * topk)
-    p = probs.mean(0)
-    return e * coeff * np.sum(f * p)
 
 
 def _logits(seed, shape, scale=1.0):
@@ -334,22 +249,6 @@ def test_force_balancing_balances_an_imbalanced_router():
 def test_expert_capacity_formula():
     for n, e, k, f in [(100, 8, 2, 1.0), (100, 8, 2, 1.25), (7, 3, 1, 0.5), (4096, 64, 6, 1.1)]:
         assert router.expert_capacity(n, e, k, f) == math.ceil(n * k / e * f)
-
-
-def np_capacity_keep(weights, experts, capacity, policy, priority):
-    """Per expert, its assignments ranked by the policy (probs: weight descending, then priority; position:
-    priority), the first `capacity` kept."""
-    n, k = experts.shape
-    keep = np.zeros((n, k), bool)
-    for e in np.unique(experts):
-        slots = [(i, s) for i in range(n) for s in range(k) if experts[i, s] == e]
-        if policy == "probs":
-            slots.sort(key=lambda a: (-weights[a], priority[a[0]]))
-        else:
-            slots.sort(key=lambda a: priority[a[0]])
-        for a in slots[:capacity]:
-            keep[a] = True
-    return keep
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
