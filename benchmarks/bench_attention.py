@@ -34,7 +34,9 @@ from benchmarks.harness import matmul_ceiling_tflops, time_fn  # noqa: E402
 from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
 from mjax.kernels.attention.flash import flash_attention  # noqa: E402
 from mjax.kernels.attention.flash_backward import flash_backward  # noqa: E402
-from mjax.kernels.attention.flash_common import MaskSpec, default_block_sizes, default_interpret  # noqa: E402
+from mjax.kernels.attention.flash_common import (BACKWARD_CANDIDATES, FORWARD_CANDIDATES, MaskSpec,  # noqa: E402
+                                                 default_block_sizes, default_interpret, with_backward,
+                                                 with_forward)
 from mjax.kernels.attention.flash_forward import flash_forward  # noqa: E402
 
 flags.DEFINE_string("json_out", "", "Write the environment, the sweep and the table as JSON here (rewritten after "
@@ -53,15 +55,6 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = jnp.bfloat16
 TUNE_SEQ, TUNE_BATCH = 4096, 8
 WINDOW = 1024
-FWD_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4)]  # bq, bk, w, s
-BWD_CONFIGS = [  # (dq kernel: bq, bk, warps, stages), (dk/dv kernel: bq, bk, warps, stages)
-    ((128, 64, 8, 2), (64, 128, 8, 2)),
-    ((128, 64, 4, 2), (64, 64, 4, 2)),
-    ((64, 64, 4, 3), (64, 64, 4, 3)),
-    ((128, 32, 4, 3), (32, 128, 8, 3)),
-    ((64, 128, 8, 2), (128, 64, 8, 2)),
-    ((128, 64, 8, 3), (64, 128, 8, 3)),
-]
 # --smoke: the same code paths at toy sizes; the sweep tries the first two configurations of each list (the blocks
 # clamped to the sequence), as every interpreted compile costs seconds on a CPU; --seqs, where given, replaces seqs.
 SMOKE = dict(heads=(4, 2, HEAD_DIM), tune=(128, 1), configs=2, seqs=[64, 128], tokens=128, skip_xla_bwd_over=64)
@@ -121,8 +114,8 @@ def sweep(heads, t, b, configs, ceiling, interpret, rows):
     flop = causal_flops(b, t, heads[0], heads[2])
     base = default_block_sizes(heads[2])
     best_fwd, best_s = None, float("inf")
-    for bq, bk, w, s in FWD_CONFIGS[:configs]:
-        cfg = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+    for bq, bk, w, s in FORWARD_CANDIDATES[:configs]:
+        cfg = with_forward(base, (bq, bk, w, s))
         seconds, err = time_or_error(attention_fns("pallas", cfg, interpret)[0], q, k, v, None)
         row = {"kind": "fwd", "config": f"bq={bq} bk={bk} warps={w} stages={s}", "error": err}
         if seconds is not None:
@@ -140,13 +133,12 @@ def sweep(heads, t, b, configs, ceiling, interpret, rows):
     out, lse = flash_forward(q, k, v, None, None, spec=spec, blocks=fwd_blocks, scale=scale, interpret=interpret)
     dlse = jnp.zeros_like(lse)
     best_bwd, best_s = None, float("inf")
-    for (qa, ka, wa, sa), (qb, kb, wb, sb) in BWD_CONFIGS[:configs]:
-        cfg = dataclasses.replace(best_fwd, block_q_dq=qa, block_k_dq=ka, num_warps_dq=wa, num_stages_dq=sa,
-                                  block_q_dkv=qb, block_k_dkv=kb, num_warps_dkv=wb, num_stages_dkv=sb)
+    for candidate in BACKWARD_CANDIDATES[:configs]:
+        cfg = with_backward(best_fwd, candidate)
         backward = jax.jit(lambda q, k, v, out, lse, do, dlse, blocks=cfg.clamp(t, t): flash_backward(
             q, k, v, None, None, out, lse, do, dlse, spec=spec, blocks=blocks, scale=scale, interpret=interpret))
         seconds, err = time_or_error(backward, q, k, v, out, lse, do, dlse)
-        row = {"kind": "bwd", "config": f"dq={(qa, ka, wa, sa)} dkv={(qb, kb, wb, sb)}", "error": err}
+        row = {"kind": "bwd", "config": f"dq={candidate[0]} dkv={candidate[1]}", "error": err}
         if seconds is not None:
             rate(row, "", 2.5 * flop, seconds, ceiling)
             if seconds < best_s:

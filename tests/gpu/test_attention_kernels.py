@@ -17,7 +17,8 @@ import pytest
 
 from mjax.kernels.attention import reference_attention
 from mjax.kernels.attention.flash import flash_attention
-from mjax.kernels.attention.flash_common import default_block_sizes
+from mjax.kernels.attention.flash_common import (BACKWARD_CANDIDATES, FORWARD_CANDIDATES, default_block_sizes,
+                                                 with_backward, with_forward)
 
 # jax warns on every Triton-lowered pallas_call
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -63,29 +64,14 @@ BLOCK_CASES = [
     pytest.param(Case(1, 772, 16, 4, 128, "bfloat16", causal=True, segments=True), id="gqa4-packed-ragged-bf16"),
     pytest.param(Case(1, 384, 8, 2, 128, "bfloat16", causal=True, window=100, s=647), id="window100-t384-s647-bf16"),
 ]
-# The configurations docs/kernels.md's H200 sweep timed at T=4096: forward (block_q, block_k, warps, stages) with
-# the default backward, and backward (dq kernel, dk/dv kernel) with the default forward.
-FORWARD_CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4)]
-BACKWARD_CONFIGS = [
-    ((128, 64, 8, 2), (64, 128, 8, 2)),
-    ((128, 64, 4, 2), (64, 64, 4, 2)),
-    ((64, 64, 4, 3), (64, 64, 4, 3)),
-    ((128, 32, 4, 3), (32, 128, 8, 3)),
-    ((64, 128, 8, 2), (128, 64, 8, 2)),
-    ((128, 64, 8, 3), (64, 128, 8, 3)),
-]
-
-
 def _block_configs():
     base = default_block_sizes(128)
     configs = {}
-    for bq, bk, w, st in FORWARD_CONFIGS:
-        cfg = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-        configs[f"fwd-{bq}x{bk}-w{w}-s{st}"] = cfg
-    for (qa, ka, wa, sa), (qb, kb, wb, sb) in BACKWARD_CONFIGS:
-        cfg = dataclasses.replace(base, block_q_dq=qa, block_k_dq=ka, num_warps_dq=wa, num_stages_dq=sa,
-                                  block_q_dkv=qb, block_k_dkv=kb, num_warps_dkv=wb, num_stages_dkv=sb)
-        configs[f"bwd-dq{qa}x{ka}-w{wa}-s{sa}-dkv{qb}x{kb}-w{wb}-s{sb}"] = cfg
+    for bq, bk, w, st in FORWARD_CANDIDATES:
+        configs[f"fwd-{bq}x{bk}-w{w}-s{st}"] = with_forward(base, (bq, bk, w, st))
+    for (qa, ka, wa, sa), (qb, kb, wb, sb) in BACKWARD_CANDIDATES:
+        name = f"bwd-dq{qa}x{ka}-w{wa}-s{sa}-dkv{qb}x{kb}-w{wb}-s{sb}"
+        configs[name] = with_backward(base, ((qa, ka, wa, sa), (qb, kb, wb, sb)))
     # the default is what CASES run
     return [pytest.param(cfg, id=name) for name, cfg in configs.items() if cfg != base]
 

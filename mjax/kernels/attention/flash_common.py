@@ -79,6 +79,31 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
                       block_q_dkv=64, block_k_dkv=64, num_warps_dkv=8, num_stages_dkv=1)
 
 
+# The block configurations swept on the GPU (benchmarks/bench_attention.py; docs/kernels.md has the H200 numbers),
+# each on top of the other pass's default: forward (block_q, block_k, warps, stages) and backward (the dq kernel's,
+# the dk/dv kernel's).
+FORWARD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4)]
+BACKWARD_CANDIDATES = [
+    ((128, 64, 8, 2), (64, 128, 8, 2)),
+    ((128, 64, 4, 2), (64, 64, 4, 2)),
+    ((64, 64, 4, 3), (64, 64, 4, 3)),
+    ((128, 32, 4, 3), (32, 128, 8, 3)),
+    ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ((128, 64, 8, 3), (64, 128, 8, 3)),
+]
+
+
+def with_forward(blocks: BlockSizes, candidate) -> BlockSizes:
+    bq, bk, warps, stages = candidate
+    return dataclasses.replace(blocks, block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+def with_backward(blocks: BlockSizes, candidate) -> BlockSizes:
+    (qa, ka, wa, sa), (qb, kb, wb, sb) = candidate
+    return dataclasses.replace(blocks, block_q_dq=qa, block_k_dq=ka, num_warps_dq=wa, num_stages_dq=sa,
+                               block_q_dkv=qb, block_k_dkv=kb, num_warps_dkv=wb, num_stages_dkv=sb)
+
+
 def pow2_at_least(n: int) -> int:
     return max(16, 1 << max(0, (n - 1).bit_length()))
 
