@@ -16,6 +16,8 @@ class ExecutionConfig:
     cross_entropy_chunk: int = field(1024, "cross_entropy_chunk", "Sequence positions per chunk when fused.")
     moe_grouped_gemm_impl: str = field("auto", "moe_grouped_gemm_impl",
                                        "auto | pallas | xla: the MoE expert GEMMs (auto: pallas on a GPU).")
+    moe_alltoall_impl: str = field("auto", "moe_alltoall_impl",
+                                   "auto | ragged | padded: the alltoall dispatcher's exchange (auto: ragged on a GPU).")
     remat_policy: str = field("none", "remat_policy", "none | selective | full: activation recomputation.")
     # Default: every matmul output and the attention kernel's results are kept, only elementwise work (norms,
     # RoPE, SwiGLU product) is recomputed: the fastest selective set measured (docs/performance.md).

@@ -11,6 +11,8 @@ MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
 MOE_GROUPED_GEMM_IMPLS = ("auto", "pallas", "xla")
+MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
+MOE_ALLTOALL_IMPLS = ("auto", "ragged", "padded")
 # Remat names of the MoE layer's intermediate results (mjax/model/moe.py), for --remat_save_names.
 MOE_REMAT_NAMES = ("moe_router_logits", "moe_dispatch", "moe_up", "moe_hidden", "moe_down", "moe_out")
 

@@ -25,6 +25,11 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = field(
         None, "decoder_last_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
     ep: int = field(1, "ep", "Expert-parallel size.")
+    expert_tensor_parallel_size: int | None = field(
+        None, "expert_tensor_parallel_size", "Tensor-parallel size of the experts: --tp (unset) or 1 (the experts "
+        "are then split over --ep x --tp devices; MoE parallel folding).")
+    moe_token_dispatcher_type: str = field(
+        "alltoall", "moe_token_dispatcher_type", "alltoall | allgather: how tokens reach experts on other --ep ranks.")
     cp: int = field(1, "cp", "Context-parallel size.")
     fsdp: int = field(1, "fsdp", "Fully-sharded data-parallel size.")
     dp: int = field(-1, "dp", "Data-parallel size; -1 fills the remaining devices.")

@@ -85,6 +85,7 @@ def validate_execution(cfg: Config) -> None:
     choice(e.cross_entropy_impl, kernels.CROSS_ENTROPY_IMPLS, "cross_entropy_impl")
     positive(e.cross_entropy_chunk, "cross_entropy_chunk")
     choice(e.moe_grouped_gemm_impl, model_options.MOE_GROUPED_GEMM_IMPLS, "moe_grouped_gemm_impl")
+    choice(e.moe_alltoall_impl, model_options.MOE_ALLTOALL_IMPLS, "moe_alltoall_impl")
     choice(e.remat_policy, ("none", "selective", "full"), "remat_policy")
     for name in e.remat_save_names:
         choice(name, REMAT_NAMES, "remat_save_names")
@@ -93,11 +94,13 @@ def validate_execution(cfg: Config) -> None:
 def validate_moe(cfg: Config) -> None:
     """--num_experts and the --moe_* flags (mjax/model/moe.py, mjax/model/router.py)."""
     m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
-    if p.ep > 1:
-        raise ConfigError(f"--ep={p.ep}: expert parallelism is not implemented yet; use --ep=1 (MoE models train "
-                          "under dp / fsdp / tp / pp)")
+    choice(p.moe_token_dispatcher_type, model_options.MOE_TOKEN_DISPATCHER_TYPES, "moe_token_dispatcher_type")
     if m.num_experts is None:
+        if p.ep > 1:
+            raise ConfigError(f"--ep={p.ep} splits the experts of an MoE model, and this model has none "
+                              "(--num_experts); use --ep=1 (or --dp for data parallelism)")
         return
+    validate_expert_parallel(cfg)
     positive(m.num_experts, "num_experts")
     e, k = m.num_experts, m.moe_router_topk
     if not 1 <= k <= e:
@@ -112,11 +115,13 @@ def validate_moe(cfg: Config) -> None:
                           f"--moe_first_dense_layers={m.moe_first_dense_layers})")
     if not 0 <= m.moe_first_dense_layers < m.num_layers:
         raise ConfigError(f"--moe_first_dense_layers={m.moe_first_dense_layers} must be in 0..{m.num_layers - 1}")
-    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+    for name, split in (("moe_ffn_hidden_size", expert_tensor_parallel_size(p)),
+                        ("moe_shared_expert_intermediate_size", tp)):
         if getattr(m, name) is not None:
             positive(getattr(m, name), name)
-            if getattr(m, name) % tp:
-                raise ConfigError(f"--{name}={getattr(m, name)} is not divisible by --tp={tp}")
+            if getattr(m, name) % split:
+                raise ConfigError(f"--{name}={getattr(m, name)} is not divisible by the {split} tensor-parallel "
+                                  "ranks that split it")
     if m.moe_shared_expert_gate and not m.moe_shared_expert_intermediate_size:
         raise ConfigError("--moe_shared_expert_gate needs --moe_shared_expert_intermediate_size (the shared experts)")
     if (m.moe_router_num_groups is None) != (m.moe_router_group_topk is None):
@@ -160,6 +165,38 @@ def validate_moe(cfg: Config) -> None:
                           ("moe_router_force_load_balancing", m.moe_router_force_load_balancing)):
             if bad:
                 raise ConfigError(f"--{flag} is not supported with --pp > 1 yet")
+
+
+def expert_tensor_parallel_size(p) -> int:
+    """The experts' tensor-parallel size: --expert_tensor_parallel_size, by default --tp."""
+    return p.tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+
+
+def validate_expert_parallel(cfg: Config) -> None:
+    """--ep, --expert_tensor_parallel_size and the token dispatcher (mjax/parallel/token_dispatcher.py)."""
+    m, p, pr = cfg.model, cfg.parallel, cfg.precision
+    etp = expert_tensor_parallel_size(p)
+    if etp not in (1, p.tp):
+        raise ConfigError(f"--expert_tensor_parallel_size={etp} must be 1 or --tp={p.tp} (unset: --tp)")
+    ranks = p.ep * (p.tp if etp == 1 else 1)  # the devices one layer's experts are split over
+    if m.num_experts % ranks:
+        split = f"--ep={p.ep}" + (f" x --tp={p.tp} (--expert_tensor_parallel_size=1)" if ranks != p.ep else "")
+        raise ConfigError(f"--num_experts={m.num_experts} is not divisible by {split}: each rank holds a whole "
+                          "number of experts")
+    if etp == 1 and p.tp > 1:
+        if cfg.train.seq_length % p.tp:
+            raise ConfigError(f"--expert_tensor_parallel_size=1: --seq_length={cfg.train.seq_length} must divide "
+                              f"over --tp={p.tp} (the tensor-parallel ranks dispatch their part of the tokens)")
+        if m.moe_expert_capacity_factor is not None:
+            raise ConfigError("--moe_expert_capacity_factor with --expert_tensor_parallel_size=1 and --tp > 1 is not "
+                              "supported (the capacity is per batch shard); unset one of them")
+    if p.moe_token_dispatcher_type == "allgather" and m.moe_expert_capacity_factor is not None and ranks > 1:
+        raise ConfigError("--moe_expert_capacity_factor needs --moe_token_dispatcher_type=alltoall (as in "
+                          "Megatron-LM): the allgather dispatcher is dropless")
+    if ranks > 1 and pr.fp8_recipe in kernels.FP8_RECIPES:
+        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with expert parallelism (--ep={p.ep}) is not supported yet: "
+                          "the expert GEMMs' per-tensor scales would need their amax over every rank; use --ep=1 or "
+                          "drop --fp8_recipe")
 
 
 def validate_pipeline(cfg: Config) -> None:

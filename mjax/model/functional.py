@@ -26,10 +26,12 @@ class ModelDef:
     quant: QuantPolicy | None = None  # the FP8/FP4 policy of the linear layers (mjax/kernels/quant/)
     execution: ExecutionConfig | None = None  # kernel choices; None: auto everywhere
     runner: Callable = scan_runner  # how each run of layers runs (training: mjax.parallel.remat.LayerRunner)
+    dispatcher: Callable | None = None  # how MoE tokens reach experts (training: mjax.parallel.token_dispatcher)
 
     def module(self, key) -> CausalLM:
         return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
-                        quant=self.quant, execution=self.execution, runner=self.runner, rngs=nnx.Rngs(params=key))
+                        quant=self.quant, execution=self.execution, runner=self.runner, dispatcher=self.dispatcher,
+                        rngs=nnx.Rngs(params=key))
 
     @functools.cached_property
     def _split(self):
@@ -91,13 +93,14 @@ class ModelDef:
         return self.cfg.padded_vocab_size()
 
 
-def build_model(cfg, precision=None, execution=None, runner=scan_runner) -> ModelDef:
+def build_model(cfg, precision=None, execution=None, runner=scan_runner, dispatcher=None) -> ModelDef:
     """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes and the FP8/FP4 policy,
-    ExecutionConfig for the kernel choices, and a layer runner for remat / scan)."""
+    ExecutionConfig for the kernel choices, a layer runner for remat / scan, an MoE token dispatcher)."""
     if precision is None:
-        return ModelDef(cfg, execution=execution, runner=runner)
+        return ModelDef(cfg, execution=execution, runner=runner, dispatcher=dispatcher)
     return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype,
-                    quant=policy_from_precision(precision), execution=execution, runner=runner)
+                    quant=policy_from_precision(precision), execution=execution, runner=runner,
+                    dispatcher=dispatcher)
 
 
 def count_params(params) -> int:

@@ -6,9 +6,9 @@ Parameters (names are what checkpoints and conversion tables use; logical axes i
     router/expert_bias            [E]        (None,)                    zeros, float32; only with
                                   --moe_router_enable_expert_bias. Never trained by gradients (its gradient is
                                   zero): the train step overwrites it with router.expert_bias_update once a step.
-    experts/gate_proj/kernel      [E, D, F]  ("experts", "embed", "mlp")  normal(init_method_std); SwiGLU only
-    experts/up_proj/kernel        [E, D, F]  ("experts", "embed", "mlp")  normal(init_method_std)
-    experts/down_proj/kernel      [E, F, D]  ("experts", "mlp", "embed")  normal(output_std: std / sqrt(2 L))
+    experts/gate_proj/kernel      [E, D, F]  ("experts", "embed", "expert_mlp")  normal(init_method_std); SwiGLU only
+    experts/up_proj/kernel        [E, D, F]  ("experts", "embed", "expert_mlp")  normal(init_method_std)
+    experts/down_proj/kernel      [E, F, D]  ("experts", "expert_mlp", "embed")  normal(output_std: std / sqrt(2 L))
     shared_experts/...            an mjax.model.mlp.MLP of FFN size --moe_shared_expert_intermediate_size
     shared_expert_gate/kernel     [D, 1]     ("embed", None)            with --moe_shared_expert_gate:
                                   y_shared * sigmoid(x @ gate) (Qwen2-MoE)
@@ -105,12 +105,12 @@ class Experts(nnx.Module):
         self.gated = cfg.activation == "swiglu"
         self.quant = quant  # None: compute-dtype GEMMs (also what mjax.model.layers.without_quant sets)
         fp8 = quant is not None and quant.has_fp8_meta
-        up = dict(axes=("experts", "embed", "mlp"), std=cfg.init_method_std, param_dtype=param_dtype, fp8=fp8,
+        up = dict(axes=("experts", "embed", "expert_mlp"), std=cfg.init_method_std, param_dtype=param_dtype, fp8=fp8,
                   rngs=rngs)
         if self.gated:
             self.gate_proj = ExpertKernel((e, d, f), **up)
         self.up_proj = ExpertKernel((e, d, f), **up)
-        self.down_proj = ExpertKernel((e, f, d), ("experts", "mlp", "embed"), std=output_std(cfg),
+        self.down_proj = ExpertKernel((e, f, d), ("experts", "expert_mlp", "embed"), std=output_std(cfg),
                                       param_dtype=param_dtype, fp8=fp8, rngs=rngs)
 
     def kernels(self, dtype):
@@ -157,17 +157,6 @@ def expert_rows(xs, weights, group_sizes, kernels, *, impl: str, quant=None, met
     return checkpoint_name(y, "moe_down")  # [R, F] -> [R, D]
 
 
-def dispatch_group(x, weights, experts, priority, kernels, metas=None, *, num_experts, capacity, policy,
-                   pad_to_capacity, impl, quant=None):
-    """One dispatch group: x [n, D], weights / experts [n, k], priority [n] -> (y [n, D] float32, plan)."""
-    plan = plan_dispatch(experts, weights, num_experts=num_experts, capacity=capacity, policy=policy,
-                         pad_to_capacity=pad_to_capacity, priority=priority)
-    xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")  # [R, D]
-    rows = expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, impl=impl, quant=quant,
-                       metas=metas)
-    return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # [R, D] -> [n, D]
-
-
 def _check(cfg, quant):
     fp8, fp4 = getattr(quant, "fp8_recipe", None), getattr(quant, "fp4_recipe", None)
     if quant is not None and (fp8 not in PER_TENSOR_FP8_RECIPES or fp4 is not None):
@@ -198,10 +187,12 @@ def _check(cfg, quant):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, rngs: nnx.Rngs):
-        """execution: the kernel choices (--moe_grouped_gemm_impl); default auto."""
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, dispatcher=None, rngs: nnx.Rngs):
+        """execution: the kernel choices (--moe_grouped_gemm_impl); default auto. dispatcher: how tokens reach the
+        experts, `dispatcher(layer, x, logits) -> (y, stats)` as `MoE.route_and_dispatch` (the default: every
+        expert is local); training passes mjax.parallel.token_dispatcher's, which exchanges tokens over `expert`."""
         _check(cfg, quant)
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.dispatcher = cfg, dtype, dispatcher
         self.grouped_gemm_impl = execution.moe_grouped_gemm_impl if execution is not None else "auto"
         self.router = Router(cfg, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(cfg, param_dtype=param_dtype, quant=quant, rngs=rngs)
@@ -223,20 +214,27 @@ class MoE(nnx.Module):
                 raise ValueError("--moe_router_force_load_balancing draws random router logits: pass key= to MoE")
             logits = moe_router.force_balanced_logits(logits, key)
         logits = checkpoint_name(logits, "moe_router_logits")
-        weights, experts = moe_router.route(
-            logits, topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function, pre_softmax=cfg.moe_router_pre_softmax,
-            num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
-            scaling_factor=cfg.moe_router_topk_scaling_factor, expert_bias=self.router.bias())  # [N, k]
-        y, plan_stats = self._routed(x, weights, experts)
+        dispatch = self.dispatcher or MoE.route_and_dispatch
+        y, stats = dispatch(self, x, logits)
         if self.shared_experts is not None:
             shared = self.shared_experts(x).astype(jnp.float32)
             if self.shared_expert_gate is not None:
                 shared = shared * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))  # [B, T, 1]
             y = y + shared
         y = checkpoint_name(constrain(y.astype(self.dtype), ("batch", "seq", "act_embed")), "moe_out")
-        return y, {**self._router_stats(logits, b), **plan_stats}
+        return y, stats
 
-    def _router_stats(self, logits, b):
+    def route(self, logits):
+        """logits [N, E] -> (weights [N, k] in the router dtype, experts [N, k] int32)."""
+        cfg = self.cfg
+        return moe_router.route(
+            logits, topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
+            pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            expert_bias=self.router.bias())
+
+    def router_stats(self, logits, b):
+        """The router's stats (see the module docstring) of b sequences' logits [N, E]."""
         cfg = self.cfg
         probs, topk_map = moe_router.aux_loss_scores(logits, topk=cfg.moe_router_topk,
                                                      score_function=cfg.moe_router_score_function)
@@ -244,6 +242,12 @@ class MoE(nnx.Module):
         return {"router_probs_sum": probs.reshape(b, -1, e).sum(1),  # [N, E] -> [B, E]
                 "router_topk_count": topk_map.reshape(b, -1, e).sum(1),
                 "router_z_sum": moe_router.z_loss_per_token(logits).reshape(b, -1).sum(1)}  # [N] -> [B]
+
+    def route_and_dispatch(self, x, logits):
+        """Every expert local: x [B, T, D], logits [B*T, E] -> (y [B, T, D] float32, stats)."""
+        weights, experts = self.route(logits)  # [N, k]
+        y, dispatch = self.dispatch_groups(x, weights, experts)
+        return y, {**self.router_stats(logits, x.shape[0]), **dispatch}
 
     def _groups(self, b):
         """Dispatch groups: one per shard of the logical batch axis. A batch that does not divide over them is not
@@ -257,28 +261,50 @@ class MoE(nnx.Module):
                              f"{groups} (or dropless MoE)")
         return 1
 
-    def _routed(self, x, weights, experts):
-        """The routed experts: x [B, T, D], weights / experts [B*T, k] -> (y [B, T, D] float32, dispatch stats)."""
+    def capacity(self, n: int) -> int | None:
+        """The expert capacity of a dispatch group of n tokens (None: dropless)."""
         cfg = self.cfg
+        if cfg.moe_expert_capacity_factor is None:
+            return None
+        return moe_router.expert_capacity(n, cfg.num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+
+    def plan(self, weights, experts, seqs: int, seq_len: int):
+        """The dispatch plan (moe_dispatch.DispatchPlan) of one group of `seqs` sequences of `seq_len` tokens,
+        weights / experts [seqs * seq_len, k]."""
+        cfg = self.cfg
+        # Megatron's tokens are sequence-major ([T, B] flattened): position priority is the position in the sequence,
+        # then the sequence.
+        seq_b, pos = jnp.divmod(jnp.arange(seqs * seq_len, dtype=jnp.int32), seq_len)
+        return plan_dispatch(experts, weights, num_experts=cfg.num_experts, capacity=self.capacity(seqs * seq_len),
+                             policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+                             priority=pos * seqs + seq_b)
+
+    def expert_rows(self, xs, weights, group_sizes, kernels, metas):
+        """The experts on dispatched rows (see expert_rows) with this layer's GEMM impl and precision."""
+        return expert_rows(xs, weights, group_sizes, kernels, impl=self.grouped_gemm_impl, quant=self.experts.quant,
+                           metas=metas)
+
+    def dispatch_groups(self, x, weights, experts):
+        """Every expert local: x [B, T, D], weights / experts [B*T, k] -> (y [B, T, D] float32, dispatch stats),
+        one dispatch group per shard of the logical batch axis (vmapped; GSPMD splits them over the mesh)."""
         b, t, d = x.shape
-        k, e = cfg.moe_router_topk, cfg.num_experts
+        k = self.cfg.moe_router_topk
         g = self._groups(b)
         n = b // g * t  # tokens per dispatch group
         xg = constrain(x.astype(self.dtype).reshape(g, n, d), ("batch", None, "act_embed"))  # [B, T, D] -> [G, n, D]
-        # Megatron's tokens are sequence-major ([T, B] flattened): position priority is the position in the sequence,
-        # then the sequence.
-        seq_b, pos = jnp.divmod(jnp.arange(n, dtype=jnp.int32), t)
-        priority = pos * (b // g) + seq_b  # [n]
-        capacity = None
-        if cfg.moe_expert_capacity_factor is not None:
-            capacity = moe_router.expert_capacity(n, e, k, cfg.moe_expert_capacity_factor)
-        run = functools.partial(dispatch_group, num_experts=e, capacity=capacity, policy=cfg.moe_token_drop_policy,
-                                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity, impl=self.grouped_gemm_impl,
-                                quant=self.experts.quant)
-        y, plan = jax.vmap(run, in_axes=(0, 0, 0, None, None, None))(
-            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), priority, self.experts.kernels(self.dtype),
+
+        def group(x, weights, experts, kernels, metas):
+            plan = self.plan(weights, experts, b // g, t)
+            xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")
+            rows = self.expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, metas)  # [R, D]
+            return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # -> [n, D]
+
+        y, plan = jax.vmap(group, in_axes=(0, 0, 0, None, None))(
+            xg, weights.reshape(g, n, k), experts.reshape(g, n, k), self.experts.kernels(self.dtype),
             self.experts.metas())
-        tokens, kept = plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0)  # [G, E] -> [E]
-        stats = {"tokens_per_expert": tokens, "kept_tokens_per_expert": kept,
-                 "dropped_assignments": (tokens - kept).sum()}
-        return y.reshape(b, t, d), stats
+        return y.reshape(b, t, d), dispatch_stats(plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0))
+
+
+def dispatch_stats(tokens, kept):
+    """The dispatch stats from the routed and kept assignments per expert [E] of the whole batch."""
+    return {"tokens_per_expert": tokens, "kept_tokens_per_expert": kept, "dropped_assignments": (tokens - kept).sum()}

@@ -23,13 +23,15 @@ STACKS = ("layers", "moe_layers")  # the stacked-layer params: dense blocks, MoE
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, execution=None, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, execution=None, dispatcher=None,
+                 rngs: nnx.Rngs):
         execution = execution or ExecutionConfig()
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if moe:
-            self.mlp = MoE(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution, rngs=rngs)
+            self.mlp = MoE(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution,
+                           dispatcher=dispatcher, rngs=rngs)
         else:
             self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, rngs=rngs)
 
@@ -82,9 +84,10 @@ class CausalLM(nnx.Module):
     `quant` (a mjax.kernels.quant.QuantPolicy or None) is the precision policy of the linear layers."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, execution=None,
-                 runner=scan_runner, rngs: nnx.Rngs):
+                 runner=scan_runner, dispatcher=None, rngs: nnx.Rngs):
         """execution: the kernel choices (mjax.config.ExecutionConfig; default: auto everywhere); runner: how each
-        run of layers is run (remat, scan: see scan_runner)."""
+        run of layers is run (remat, scan: see scan_runner); dispatcher: how MoE tokens reach their experts (see
+        mjax.model.moe.MoE; default: all experts local)."""
         execution = execution or ExecutionConfig()
         self.cfg, self.dtype, self.quant, self.runner = cfg, dtype, quant, runner
         self.vocab = cfg.padded_vocab_size()
@@ -100,7 +103,8 @@ class CausalLM(nnx.Module):
         for name, moe, count in (("layers", False, pattern.count(False)), ("moe_layers", True, pattern.count(True))):
             if count:
                 setattr(self, name, _stacked_blocks(cfg, count, moe, dtype=dtype, param_dtype=param_dtype,
-                                                    quant=quant, execution=execution, rngs=rngs))
+                                                    quant=quant, execution=execution, dispatcher=dispatcher,
+                                                    rngs=rngs))
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if not tied:
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),

@@ -11,6 +11,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
     """The one table mapping logical names to mesh axes (docs/design.md)."""
     seq_parallel = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+    # MoE parallel folding: with --expert_tensor_parallel_size=1 the experts are split over expert x tensor.
+    expert_tp = cfg.parallel.expert_tensor_parallel_size in (None, cfg.parallel.tp)
     return {
         "batch": BATCH_AXES,
         "seq": ("context",),
@@ -24,7 +26,8 @@ def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
         "head_dim": (),
         "norm": (),
         "layers": ("pipeline",),
-        "experts": ("expert",),
+        "experts": ("expert",) if expert_tp else ("expert", "tensor"),
+        "expert_mlp": ("tensor",) if expert_tp else (),
     }
 
 

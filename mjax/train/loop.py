@@ -14,6 +14,7 @@ from mjax.sharding import logical_sharding
 from mjax.parallel.layout import Batching, describe_batching, validate_layout
 from mjax.parallel.mesh import describe, make_mesh
 from mjax.parallel.remat import LayerRunner
+from mjax.parallel.token_dispatcher import TokenDispatcher
 from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
 from mjax.train.logger import MetricsLogger
 from mjax.train.metrics import flops_per_step, peak_memory_bytes, peak_tflops
@@ -101,7 +102,8 @@ def build(cfg, devices=None) -> Setup:
     batching = validate_layout(cfg, len(devices))
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg)
-    model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution))
+    model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution),
+                        TokenDispatcher(cfg.parallel.moe_token_dispatcher_type, cfg.execution.moe_alltoall_impl))
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
     tx = make_optimizer(cfg.optimizer, schedule)
     abstract_params = model.abstract_params()
