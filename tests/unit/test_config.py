@@ -8,6 +8,7 @@ from mjax.config.flags import config_from_flags, define_config_flags
 from mjax.parallel.layout import validate_layout
 
 TINY = load_config("tiny")
+MOE = dict(num_experts=4, moe_router_topk=2)
 
 
 def test_every_preset_loads_and_validates():
@@ -43,7 +44,19 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(model=dict(position_embedding_type="learned", max_position_embeddings=64)), 1, "exceeds"),
     (dict(execution=dict(remat_policy="selective", remat_save_names=("qkv_proj", "bogus"))), 1, "bogus"),
     (dict(parallel=dict(tp=2, sequence_parallel=True), train=dict(seq_length=127)), 2, "sequence_parallel"),
-    (dict(parallel=dict(ep=2)), 2, "--ep=2: expert parallelism is not implemented yet"),
+    (dict(parallel=dict(ep=2)), 2, "--ep=2 splits the experts of an MoE model, and this model has none"),
+    (dict(model=MOE, parallel=dict(ep=3)), 3, "--num_experts=4 is not divisible by --ep=3"),
+    (dict(model=MOE, parallel=dict(ep=4, tp=2, expert_tensor_parallel_size=1)), 8,
+     r"--num_experts=4 is not divisible by --ep=4 x --tp=2 \(--expert_tensor_parallel_size=1\)"),
+    (dict(model=MOE, parallel=dict(ep=2, tp=2, expert_tensor_parallel_size=3)), 4,
+     "--expert_tensor_parallel_size=3 must be 1 or --tp=2"),
+    (dict(model=MOE, parallel=dict(ep=2, moe_token_dispatcher_type="flex")), 2,
+     "--moe_token_dispatcher_type='flex' is not one of"),
+    (dict(model=dict(MOE, moe_expert_capacity_factor=1.0), parallel=dict(ep=2, moe_token_dispatcher_type="allgather")),
+     2, "--moe_expert_capacity_factor needs --moe_token_dispatcher_type=alltoall"),
+    (dict(model=MOE, parallel=dict(ep=2), precision=dict(fp8_recipe="tensorwise")), 2,
+     "--fp8_recipe=tensorwise with expert parallelism"),
+    (dict(model=MOE, execution=dict(moe_alltoall_impl="nccl")), 1, "--moe_alltoall_impl='nccl' is not one of"),
     (dict(execution=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
     (dict(execution=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
     (dict(execution=dict(cross_entropy_impl="fused"), precision=dict(fp4_recipe="nvfp4", quantize_output_layer=True)),

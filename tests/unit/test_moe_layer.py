@@ -203,9 +203,9 @@ def test_parameter_tree():
                                          is_leaf=lambda v: isinstance(v, nnx.Variable)))
     assert shapes["router"] == {"kernel": (D, E), "expert_bias": (E,)}
     assert axes["router"] == {"kernel": ("embed", None), "expert_bias": (None,)}
-    for name, shape, ax in [("gate_proj", (E, D, F), ("experts", "embed", "mlp")),
-                            ("up_proj", (E, D, F), ("experts", "embed", "mlp")),
-                            ("down_proj", (E, F, D), ("experts", "mlp", "embed"))]:
+    for name, shape, ax in [("gate_proj", (E, D, F), ("experts", "embed", "expert_mlp")),
+                            ("up_proj", (E, D, F), ("experts", "embed", "expert_mlp")),
+                            ("down_proj", (E, F, D), ("experts", "expert_mlp", "embed"))]:
         assert shapes["experts"][name] == {"kernel": shape} and axes["experts"][name] == {"kernel": ax}
     assert shapes["shared_experts"]["up_proj"]["kernel"] == (D, 24)
     assert shapes["shared_expert_gate"] == {"kernel": (D, 1)}
