@@ -129,10 +129,11 @@ def runs():
         schedule = lr_schedule(cfg.optimizer, STEPS)
         tx = make_optimizer(cfg.optimizer, schedule)
         state = TrainState.create(params, tx, jax.random.key(1), cfg.precision, model.init_fp8())
-        step = jax.jit(make_train_step(model, cfg, tx, schedule))
-        data, losses = pattern_batches(cfg), []
+        data, losses, step = pattern_batches(cfg), [], None
         for _ in range(STEPS):
             batch = {k: v[None] for k, v in next(data).items()}  # [1 micro-batch, batch, seq]
+            if step is None:
+                step = jax.jit(make_train_step(model, cfg, tx, schedule)).lower(state, batch).compile(FAST_COMPILE)
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         out[name] = (cfg, model, state, np.array(losses), jax.device_get(metrics))

@@ -17,8 +17,8 @@ import pytest
 
 from mjax.config import ConfigError
 from mjax.parallel.layout import validate_layout
-from mjax.train.loop import build, train
-from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
+from mjax.train.loop import build
+from tests.helpers.train_utils import run_steps, tiny_config
 
 STEPS, WINDOW_TOL, FINAL_TOL, FIRST_TOL = 50, 0.2, 0.1, 0.005
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_first_dense_layers=1,
@@ -86,10 +86,9 @@ def runs():
     out = {}
     for name, precision in RECIPES.items():
         cfg = _cfg(**precision)
-        state = initial_state(build(cfg, jax.devices()[:1]))
-        result = train(cfg, data=(pattern_batches(cfg), None), devices=jax.devices()[:1], state=state)
-        losses = np.array([r["loss"] for r in result.history])
-        out[name] = (losses, result.state)
+        history, state = run_steps(cfg, jax.devices()[:1])
+        losses = np.array([float(r["loss"]) for r in history])
+        out[name] = (losses, state)
         print(name, "windows", np.round(losses.reshape(-1, 10).mean(1), 3))
     return out
 
