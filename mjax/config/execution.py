@@ -1,5 +1,6 @@
 """How a model runs, apart from what it is: kernel choices, the recomputation policy, the layer loop. Changing these
-never changes what a checkpoint means (converted config.json files carry none of them)."""
+never changes what a checkpoint means: a checkpoint's config holds the choices it was trained (or converted) with,
+and any run may pick others."""
 
 import dataclasses
 

@@ -192,14 +192,29 @@ RENAMED = {("model", name): ("execution", name) for name in (
     ("model", "sliding_window"): ("model", "window_size"), ("checkpoint", "load_step"): ("checkpoint", "ckpt_step")}
 
 
+def current_names(d: dict) -> dict:
+    """A saved config dict with each field under today's section and name (RENAMED); lists become tuples. A field
+    given under both its earlier and its current name is an error."""
+    out, source = {}, {}
+    for section, fields in d.items():
+        if not isinstance(fields, dict):
+            out[section] = fields
+            continue
+        for k, v in fields.items():
+            target, name = RENAMED.get((section, k), (section, k))
+            if (target, name) in source:
+                earlier = sorted((source[target, name], f"{section}.{k}"), key=lambda n: n == f"{target}.{name}")
+                raise ConfigError(f"the config holds both {earlier[0]} and {earlier[1]}, one field under its "
+                                  f"earlier and its current name; keep only {target}.{name}")
+            source[target, name] = f"{section}.{k}"
+            out.setdefault(target, {})[name] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
 def from_dict(d: dict) -> Config:
     """Inverse of `Config.to_dict`; lists become tuples; unknown keys are errors; fields saved under an earlier
     name are read under today's (RENAMED)."""
-    sections = {}
-    for section, fields in d.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}")
-        for k, v in fields.items():
-            target, name = RENAMED.get((section, k), (section, k))
-            sections.setdefault(target, {})[name] = tuple(v) if isinstance(v, list) else v
-    return Config().replace(**sections)
+    unknown = [section for section in d if section not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown config section {unknown[0]!r}")
+    return Config().replace(**current_names(d))

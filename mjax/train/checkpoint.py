@@ -15,6 +15,7 @@ import time
 import jax
 from flax import serialization
 
+from mjax.config.sections import current_names
 from mjax.storage import params as params_io
 from mjax.storage.steps import (FORMAT, CheckpointError, abspath, cause, check_shapes, exists, manager, ocp,
                                 pick_step)
@@ -35,11 +36,12 @@ def join_state(template: TrainState, params: dict, rest: dict) -> TrainState:
 
 
 def _model_diff(saved_cfg: dict | None, cfg) -> str:
+    saved_cfg = current_names(saved_cfg) if saved_cfg else None
     if not saved_cfg or "model" not in saved_cfg:
         return ""
     ours = cfg.to_dict()["model"]
     diffs = [f"--{k}={v!r} (this run: {ours[k]!r})" for k, v in saved_cfg["model"].items()
-             if k in ours and ours[k] != (tuple(v) if isinstance(v, list) else v) and k != "name"]
+             if k in ours and ours[k] != v and k != "name"]
     return f" It was saved with {', '.join(diffs)}." if diffs else ""
 
 
@@ -53,12 +55,12 @@ def _log_changed_settings(saved_cfg: dict | None, cfg, where: str) -> None:
     if not saved_cfg:
         return
     ours, changes = cfg.to_dict(), []
-    for section, fields in saved_cfg.items():
+    for section, fields in current_names(saved_cfg).items():  # a config saved under earlier names compares too
         if section in _EXPECTED_CHANGES or not isinstance(fields, dict):
             continue
         for k, v in fields.items():
             now = ours.get(section, {}).get(k, v)
-            if f"{section}.{k}" not in _EXPECTED_CHANGES and now != (tuple(v) if isinstance(v, list) else v):
+            if f"{section}.{k}" not in _EXPECTED_CHANGES and now != v:
                 changes.append(f"--{section}.{k}: {v!r} -> {now!r}")
     if changes:
         log.warning("resuming %s with settings that differ from the ones it was saved with: %s", where,

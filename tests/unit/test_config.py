@@ -82,6 +82,19 @@ def test_dict_round_trip_and_unknown_fields():
         TINY.replace(model=dict(layers=3))
 
 
+def test_a_config_saved_under_earlier_names_reads_under_todays():
+    cfg = TINY.replace(model=dict(window_size=64), execution=dict(remat_policy="full"),
+                       checkpoint=dict(ckpt_step=3, load="/nonexistent"))
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    saved["model"]["sliding_window"] = saved["model"].pop("window_size")
+    saved["model"]["remat_policy"] = saved["execution"].pop("remat_policy")
+    saved["checkpoint"]["load_step"] = saved["checkpoint"].pop("ckpt_step")
+    assert from_dict(saved) == cfg
+    saved["model"]["window_size"] = 32  # both names of one field: which one wins would be a guess
+    with pytest.raises(ConfigError, match="both model.sliding_window and model.window_size"):
+        from_dict(saved)
+
+
 def _parse(argv):
     define_config_flags()
     flags.FLAGS.unparse_flags()
