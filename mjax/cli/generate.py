@@ -12,7 +12,7 @@
 checkpoint goes with, found as export finds it (mjax/convert/tokenizer.py): for a training run the one its saved
 config names (the bundled sample tokenizer after a default run; tiktoken too), else <load>/tokenizer.json.
 --tokenizer names another tokenizer.json; --prompt_ids=1,2,3 skips the tokenizer. Greedy when --temperature=0.
-Decoding uses a KV cache (mjax/model/decode.py); generation stops at the model's EOS token.
+Decoding uses a KV cache (mjax/inference/decode.py); generation stops at the model's EOS token.
 
 Errors are one line naming the flag or file. Exit codes (the table in mjax/cli/common.py):
     0  generated
@@ -61,6 +61,7 @@ def eos_ids(directory: Path) -> set[int]:
 def main(argv) -> int:
     setup_logging()
     from mjax.convert import ConversionError, InputError  # noqa: PLC0415
+    from mjax.inference import PromptError  # noqa: PLC0415
 
     try:
         no_positional(argv)
@@ -69,7 +70,7 @@ def main(argv) -> int:
         if isinstance(e, InputError):
             return fail("generate", e, BAD_INPUT)
         return fail("generate: unusable checkpoint", e, CHECKPOINT)
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: the generator's prompt checks
+    except (ConfigError, FileNotFoundError, PromptError) as e:
         return fail("generate", e, BAD_INPUT)
 
 

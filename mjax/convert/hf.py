@@ -211,7 +211,7 @@ def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
 def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = None,
                max_shard_bytes: int = 5 << 30, step: int | None = None, with_tokenizer: bool = True) -> dict:
     """Converts an mjax checkpoint into an HF directory that transformers loads: a converted one (config.json +
-    params/) or a training checkpoint of scripts/train.py --save (latest step unless `step`). The tokenizer the
+    params/) or a training checkpoint of mjax-train --save (latest step unless `step`). The tokenizer the
     checkpoint goes with is written beside it unless not `with_tokenizer` (mjax/convert/tokenizer.py)."""
     found = source.resolve(input_dir, step)
     if found.kind == "hf":

@@ -1,4 +1,4 @@
-"""`load_pretrained(path)`: a converted mjax checkpoint, a training checkpoint (`scripts/train.py --save`) or a
+"""`load_pretrained(path)`: a converted mjax checkpoint, a training checkpoint (`mjax-train --save`) or a
 Hugging Face model directory -> (model, Config). What the path is is decided by mjax.convert.source."""
 
 import dataclasses
@@ -37,8 +37,8 @@ class Pretrained:
 
 def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None,
                     step: int | None = None) -> tuple[Pretrained, Config]:
-    """Loads `path`: an mjax checkpoint written by `scripts/convert_checkpoint.py`, a `scripts/train.py --save`
-    directory (its latest step unless `step`; the config saved with it) or an HF model directory with config.json +
+    """Loads `path`: an mjax checkpoint written by `mjax-convert`, an `mjax-train --save` directory
+    (its latest step unless `step`; the config saved with it) or an HF model directory with config.json +
     safetensors; or a `mjax.convert.source.Source`. Params are cast to `dtype`; the forward pass computes in
     `compute_dtype` (default: `dtype`). Returns (model, config)."""
     from mjax.convert.hf import base_config, params_from_hf  # noqa: PLC0415
@@ -47,7 +47,7 @@ def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = No
     found = path if isinstance(path, source.Source) else source.resolve(path, step, flag="--load")
     path = found.directory
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
-    if found.kind != "hf":  # converted or training: the same params/ layout (mjax/convert/params_io.py)
+    if found.kind != "hf":  # converted or training: the same params/ layout (mjax/storage/params.py)
         cfg = dataclasses.replace(found.config, precision=precision)
         model_def = build_model(cfg.model, precision)
         return Pretrained(model_def, params_io.restore(path, model_def.abstract_params()), cfg), cfg

@@ -1,7 +1,7 @@
-"""What a checkpoint path is, decided in one place for export, `load_pretrained` and scripts/generate.py.
+"""What a checkpoint path is, decided in one place for export, `load_pretrained` and mjax-generate.
 
-    converted   `convert_checkpoint.py --direction=hf_to_mjax` output: config.json + params/ (+ tokenizer files)
-    training    a `scripts/train.py --save` directory (its latest step unless a step is asked for), or one
+    converted   `mjax-convert --direction=hf_to_mjax` output: config.json + params/ (+ tokenizer files)
+    training    an `mjax-train --save` directory (its latest step unless a step is asked for), or one
                 `<save>/<step>` directory; the config is the one saved with that step
     hf          a Hugging Face model directory: config.json + safetensors
 """
@@ -58,7 +58,7 @@ def _training(path: Path, step: int | None, flag: str) -> Source:
         run, steps, step = path.parent, [int(path.name)], int(path.name)
     if not steps:
         raise ConversionError(f"{flag}={path} is not a checkpoint: expected config.json and params/ (a converted mjax "
-                              "checkpoint), step directories (scripts/train.py --save) or config.json and "
+                              "checkpoint), step directories (mjax-train --save) or config.json and "
                               "*.safetensors (Hugging Face)")
     from mjax.storage.steps import pick_step, saved_config  # noqa: PLC0415
 

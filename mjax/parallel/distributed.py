@@ -23,7 +23,7 @@ log = logging.getLogger("mjax")
 
 CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-EXIT_CODE = 5  # scripts/train.py's exit code when the processes cannot all connect
+EXIT_CODE = 5  # mjax-train's exit code when the processes cannot all connect
 
 
 def coordinates(p) -> tuple[str, int, int] | None:

@@ -24,7 +24,7 @@ def manual(body, in_specs, out_specs):
     constraints inside it name the mesh whose `pipeline` axis is manual."""
     context = current_logical_sharding()
     if context is None:
-        raise ValueError("the pipeline needs a mesh: trace the train step inside mjax.model.logical_sharding")
+        raise ValueError("the pipeline needs a mesh: trace the train step inside mjax.sharding.logical_sharding")
     mesh, rules = context
 
     def in_body(*args):

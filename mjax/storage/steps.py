@@ -1,4 +1,4 @@
-"""The step directories of a training run (`scripts/train.py --save DIR`), read by training and by conversion.
+"""The step directories of a training run (`mjax-train --save DIR`), read by training and by conversion.
 
 `DIR/<step>/` holds Orbax items: params/ (the plain params dict, the layout of a converted checkpoint's params/),
 train_state/ (optimizer state, step, RNG key, loss scale, guards, FP8 scaling state), config/ (`Config.to_dict()`

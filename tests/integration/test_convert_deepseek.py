@@ -1,8 +1,8 @@
 """DeepSeek-MoE (DeepseekForCausalLM, model_type "deepseek": deepseek-moe-16b's remote code, which transformers does
 not ship, so there is no HF fixture). A random checkpoint laid out as modeling_deepseek.py names it, written with
-the safetensors library, is checked against the NumPy restatement of that code (tests/numpy_reference.forward_hf,
-itself checked against HF's logits on the Qwen2-MoE/Mixtral fixtures in test_numpy_reference_matches_hf) and
-converted back bit for bit."""
+the safetensors library, is checked against the NumPy restatement of that code
+(tests/helpers/numpy_reference.forward_hf, itself checked against HF's logits on the Qwen2-MoE/Mixtral fixtures in
+test_numpy_reference_matches_hf) and converted back bit for bit."""
 
 import json
 

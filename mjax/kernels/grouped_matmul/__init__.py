@@ -99,7 +99,7 @@ def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tilin
         if reason:
             raise GroupedMatmulUnsupported(
                 f"{FLAG}=auto picks the Pallas kernels on a GPU, and they cannot do this call: {reason}. Set "
-                f"{FLAG}=xla to run lax.ragged_dot on purpose (a dense expansion here, about 10x slower).")
+                f"{FLAG}=xla to run lax.ragged_dot on purpose (a dense expansion here, far slower: docs/moe.md).")
         return "pallas"
     reason = why_unsupported(impl, **facts)
     if reason:

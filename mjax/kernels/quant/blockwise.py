@@ -1,6 +1,6 @@
 """Blockwise FP8 (DeepSeek-V3 style): 1x128 scales for activations and gradients, 128x128 for weights.
 
-cuBLASLt on Hopper takes only per-tensor scales, so a block-scaled GEMM is our own kernel (`fp8_block_gemm.py`,
+cuBLASLt on Hopper takes only per-tensor scales, so a block-scaled GEMM is our own kernel (`block_gemm.py`,
 Pallas) or this file's pure-JAX reference, which dequantizes through f32 (the oracle, and the path off GPU).
 
 Here a block scale is the *dequantization* factor, s = amax / fp8_max, so x ~= q * s (DeepSeek's convention;

@@ -14,7 +14,7 @@ dequantize would not be rewritten, docs/fp8.md; an f32 one, `convert(q) * s` at 
 simplifier, which drops the FP8 round trip, unless a barrier stands between, and then was not rewritten either:
 f32 GEMMs, far slower steps on jax 0.11.2, docs/fp8.md.)
 Every operand is quantized into the layouts its GEMMs read; with impl=pallas one cast-transpose pass writes
-both (`fp8_cast_transpose.py`). The forward saves the FP8 copies of x (transposed) and w for the backward, half the
+both (`cast_transpose.py`). The forward saves the FP8 copies of x (transposed) and w for the backward, half the
 bytes of bf16 residuals.
 
 `meta` is an f32 [3] array per layer: the scales of (x, w, grad) for the delayed recipe. Its *gradient* is not a
