@@ -9,6 +9,10 @@ from mjax.inference.decode import forward_with_cache, init_cache
 from mjax.sharding import single_device
 
 
+class PromptError(ValueError):
+    """A prompt or generation length the model cannot take; the message names what to change."""
+
+
 def sample(logits, key, temperature: float, top_k: int):
     """logits [B, V] -> token ids [B]: argmax when temperature == 0, else softmax(logits / T) over the top k."""
     if temperature == 0:
@@ -48,13 +52,13 @@ def generate(model_def, params, prompt, max_new_tokens: int, *, temperature: flo
     cfg = model_def.cfg
     prompt = jnp.asarray(prompt, jnp.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt must be [batch, length > 0] token ids, got shape {prompt.shape}")
+        raise PromptError(f"prompt must be [batch, length > 0] token ids, got shape {prompt.shape}")
     total = prompt.shape[1] + max_new_tokens
     if cfg.position_embedding_type == "learned" and total > cfg.max_position_embeddings:
-        raise ValueError(f"prompt + --max_new_tokens = {total} exceeds the {cfg.max_position_embeddings} learned "
+        raise PromptError(f"prompt + --max_new_tokens = {total} exceeds the {cfg.max_position_embeddings} learned "
                          "positions of this model")
     if max_new_tokens < 1:
-        raise ValueError("--max_new_tokens must be at least 1")
+        raise PromptError("--max_new_tokens must be at least 1")
     with single_device():
         return _generate(model_def, params, prompt, jax.random.key(seed), max_new_tokens=max_new_tokens,
                          temperature=float(temperature), top_k=int(top_k), vocab_size=vocab_size or cfg.vocab_size)
