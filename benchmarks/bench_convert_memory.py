@@ -5,10 +5,11 @@
     python -m benchmarks.bench_convert_memory --max_shard_size_mb=1000   # export in smaller shards
 
 Writes random bf16 safetensors shards with the Hugging Face config of Meta-Llama-3-8B (one shard in memory at a
-time), then runs `convert_checkpoint.py` hf_to_mjax and mjax_to_hf, each in a fresh process, and prints a table of
-time and peak RSS against the model size. Export writes each tensor into its pre-planned byte range, so its peak does
-not depend on --max_shard_size_mb (the input is written in 5 GiB shards). Disk: the HF input is deleted before
-the export, so at most two copies (~32 GB for 8B) exist at once; `--workdir` is removed at the end unless --keep.
+time), then runs `mjax-convert` (`python -m mjax.cli.convert`) hf_to_mjax and mjax_to_hf, each in a fresh process,
+and prints a table of time and peak RSS against the model size. Export writes each tensor into its pre-planned byte
+range, so its peak does not depend on --max_shard_size_mb (the input is written in 5 GiB shards). Disk: the HF input
+is deleted before the export, so at most two copies (~32 GB for 8B) exist at once; `--workdir` is removed at the end
+unless --keep.
 """
 
 import json
@@ -28,7 +29,7 @@ from mjax.convert.safetensors_io import SafetensorsWriter
 flags.DEFINE_string("workdir", "/tmp/mjax_bench_convert", "Scratch directory (deleted at the end unless --keep).")
 flags.DEFINE_integer("num_layers", 32, "Layers of the Llama-3-8B config to generate (32 = the real model).")
 flags.DEFINE_boolean("keep", False, "Keep the generated and converted checkpoints.")
-flags.DEFINE_integer("max_shard_size_mb", 5000, "Export: largest safetensors shard, in MB (convert_checkpoint.py's).")
+flags.DEFINE_integer("max_shard_size_mb", 5000, "Export: largest safetensors shard, in MB (mjax-convert's).")
 FLAGS = flags.FLAGS
 
 LLAMA3_8B = {
@@ -77,9 +78,8 @@ def make_checkpoint(directory: Path, config: dict) -> int:
 
 
 def convert(direction: str, src: Path, dst: Path, *extra: str) -> tuple[float, float]:
-    script = Path(__file__).resolve().parent / "convert_checkpoint.py"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(script), f"--direction={direction}", f"--input={src}",
+    proc = subprocess.run([sys.executable, "-m", "mjax.cli.convert", f"--direction={direction}", f"--input={src}",
                            f"--output={dst}", *extra], capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
     if proc.returncode:

@@ -87,7 +87,7 @@ def default_tiling(dtype, k: int, n: int) -> Tiling | None:
     """The widest column block up to 256 and depth block up to 64 (32 for float32, whose tiles are twice the bytes)
     that divide the shape, for every kernel; None when K or N is not a multiple of 16. On an H200, 128x256x64 with
     8 warps and 3 stages was the fastest of the tiles swept for all three kernels at every MoE shape measured
-    (docs/moe.md, `benchmarks/bench_grouped_matmul.py --tilings`)."""
+    (docs/moe.md, `python -m benchmarks.bench_grouped_matmul --tilings`)."""
     f32 = jnp.dtype(dtype) == jnp.float32
     depths = (32, 16) if f32 else (64, 32, 16)
 
@@ -111,7 +111,7 @@ def default_fp8_tiling(k: int, n: int, grad_native: bool) -> Tiling | None:
     """Tiles of the FP8 kernels (fp8_pallas.py); None when K or N is not a multiple of 32. A dot of FP8 operands
     steps 128 deep (128 bytes a row, as the 16-bit kernels' 64); the backward of --fp8_format=hybrid converts its
     e5m2 x e4m3 tiles to float16 (`grad_native` False) and so steps 64 deep, like the 16-bit kernels. Untuned: the
-    sweep is `benchmarks/bench_grouped_matmul.py --fp8 --tilings=...` on the GPU."""
+    sweep is `python -m benchmarks.bench_grouped_matmul --fp8 --tilings=...` on the GPU."""
     native, upcast = (128, 64, 32), (64, 32)
 
     def gemm(cols: int, depth: int, depths) -> KernelTile | None:
