@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mjax.config import Config, PrecisionConfig
+from mjax.config import Config, ExecutionConfig, PrecisionConfig
 from mjax.convert import source
 from mjax.storage import params as params_io
 from mjax.convert.spec import ConversionError, unflatten
@@ -36,11 +36,12 @@ class Pretrained:
 
 
 def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = None,
-                    step: int | None = None) -> tuple[Pretrained, Config]:
+                    step: int | None = None, execution: ExecutionConfig | None = None) -> tuple[Pretrained, Config]:
     """Loads `path`: an mjax checkpoint written by `mjax-convert`, an `mjax-train --save` directory
     (its latest step unless `step`; the config saved with it) or an HF model directory with config.json +
     safetensors; or a `mjax.convert.source.Source`. Params are cast to `dtype`; the forward pass computes in
-    `compute_dtype` (default: `dtype`). Returns (model, config)."""
+    `compute_dtype` (default: `dtype`) with the kernel choices of `execution` (default: the checkpoint's; auto for
+    an HF directory). Returns (model, config)."""
     from mjax.convert.hf import base_config, params_from_hf  # noqa: PLC0415
     from mjax.model import build_model  # noqa: PLC0415
 
@@ -48,12 +49,13 @@ def load_pretrained(path, dtype: str = "float32", compute_dtype: str | None = No
     path = found.directory
     precision = dataclasses.replace(PrecisionConfig(), compute_dtype=compute_dtype or dtype, params_dtype=dtype)
     if found.kind != "hf":  # converted or training: the same params/ layout (mjax/storage/params.py)
-        cfg = dataclasses.replace(found.config, precision=precision)
-        model_def = build_model(cfg.model, precision)
+        cfg = dataclasses.replace(found.config, precision=precision, execution=execution or found.config.execution)
+        model_def = build_model(cfg.model, precision, cfg.execution)
         return Pretrained(model_def, params_io.restore(path, model_def.abstract_params()), cfg), cfg
     model_cfg, flat = params_from_hf(path)
-    cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision)
-    model_def = build_model(cfg.model, precision)
+    cfg = dataclasses.replace(base_config(dataclasses.asdict(model_cfg)), precision=precision,
+                              execution=execution or ExecutionConfig())
+    model_def = build_model(cfg.model, precision, cfg.execution)
     padded = model_def.vocab_size
     params = unflatten({p: jnp.asarray(params_io.fit_vocab(p, x, padded).astype(np.dtype(dtype)))
                         for p, x in flat.items()})

@@ -1,6 +1,7 @@
 """A `scripts/train.py --save` directory is a source like any other: `load_pretrained` and scripts/generate.py take
 it (latest step, or a step), through the same resolution as export (mjax.convert.source)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -39,6 +40,9 @@ def test_load_pretrained_of_a_training_checkpoint(trained_run, tmp_path):
     want = _reference_logits(cfg, params, TOKENS)
     model, loaded_cfg = load_pretrained(save)  # the latest step (2): the trained params
     assert loaded_cfg.model == cfg.model
+    assert loaded_cfg.execution == model.model_def.execution == cfg.execution  # the run's kernel choices
+    chosen = dataclasses.replace(cfg.execution, attention_impl="xla")
+    assert load_pretrained(save, execution=chosen)[0].model_def.execution == chosen
     # Same params; jitted against op by op, float32 logits of magnitude ~1 may differ in the last bits (measured 0).
     np.testing.assert_allclose(np.asarray(model(TOKENS)), want, atol=1e-5, rtol=0)
     step1, _ = load_pretrained(save, step=1)
