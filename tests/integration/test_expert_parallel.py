@@ -164,17 +164,17 @@ def _eval_loss(cfg, devices):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_at_ep4_restores_at_ep2_and_ep1(tmp_path):
+def test_a_checkpoint_saved_at_ep4_restores_at_ep2_ep8_and_ep1(tmp_path):
     run = str(tmp_path / "run")
     saved = tiny_config(model=MOE, parallel=dict(ep=4, dp=2), checkpoint=dict(save=run),
                         train=dict(train_iters=2, global_batch_size=8))
     train(saved, data=(pattern_batches(saved), None))
     losses, params = {}, {}
     for name, parallel, devices in (("ep4", dict(ep=4, dp=2), 8), ("ep2", dict(ep=2, dp=4), 8),
-                                    ("ep1", dict(ep=1, dp=1), 1)):
+                                    ("ep8", dict(ep=8, dp=1), 8), ("ep1", dict(ep=1, dp=1), 1)):
         cfg = saved.replace(parallel=parallel, checkpoint=dict(save=None, load=run))
         losses[name], params[name] = _eval_loss(cfg, jax.devices()[:devices])
-    for name in ("ep2", "ep1"):
+    for name in ("ep2", "ep8", "ep1"):
         for a, b in zip(jax.tree.leaves(params[name]), jax.tree.leaves(params["ep4"])):
             np.testing.assert_array_equal(a, b)  # the same weights, whatever the layout
         np.testing.assert_allclose(losses[name], losses["ep4"], rtol=1e-6)  # float32 reorderings only

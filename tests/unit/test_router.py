@@ -247,8 +247,10 @@ def test_force_balancing_balances_an_imbalanced_router():
 # ---- capacity and drop policies ----
 
 def test_expert_capacity_formula():
-    for n, e, k, f in [(100, 8, 2, 1.0), (100, 8, 2, 1.25), (7, 3, 1, 0.5), (4096, 64, 6, 1.1)]:
-        assert router.expert_capacity(n, e, k, f) == math.ceil(n * k / e * f)
+    # Megatron's get_capacity, worked by hand: ceil(tokens * topk / experts * factor)
+    for (n, e, k, f), want in [((100, 8, 2, 1.0), 25), ((100, 8, 2, 1.25), 32), ((7, 3, 1, 0.5), 2),
+                               ((4096, 64, 6, 1.1), 423), ((10, 10, 1, 0.05), 1)]:
+        assert router.expert_capacity(n, e, k, f) == want, (n, e, k, f)
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
