@@ -1,5 +1,5 @@
 """The tokenizer a checkpoint goes with, as the Hugging Face files AutoTokenizer reads (tokenizer.json +
-tokenizer_config.json), found once here for export (mjax_to_hf) and for scripts/generate.py.
+tokenizer_config.json), found once here for export (mjax_to_hf) and for mjax-generate.
 
 Where it is found (`find`):
   hf, converted  the tokenizer files in the directory (hf_to_mjax copied them from the HF model);
