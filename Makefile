@@ -8,10 +8,11 @@ setup:
 train: setup
 	$(PY) scripts/train.py $(ARGS)
 
-# Tests run on CPU with 8 fake devices (GPU-marked tests skip themselves there).
+# Tests run on CPU with 8 fake devices (GPU-marked tests skip themselves there). Whole modules go to one worker
+# (--dist loadscope), so a module's shared fixtures (its trained runs) are built once, not once per worker.
 test: setup
-	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 $(ARGS)
+	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 --dist loadscope $(ARGS)
 
 # The fast tier: every test not marked slow (each under ~20 s on 2 cores).
 test-fast: setup
-	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 -m "not slow" $(ARGS)
+	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 --dist loadscope -m "not slow" $(ARGS)

@@ -35,8 +35,6 @@ LAYOUTS = {
     "ep2_pp2_tp2": dict(ep=2, pp=2, tp=2),
     "ep2_tp2_folded_dp2": dict(ep=2, tp=2, dp=2, **FOLDED),
     "ep2_dp4_allgather": dict(ep=2, dp=4, **ALLGATHER),
-    "ep4_tp2_allgather": dict(ep=4, tp=2, **ALLGATHER),
-    "ep8_allgather": dict(ep=8, **ALLGATHER),
     "ep2_tp2_folded_sp_allgather": dict(ep=2, tp=2, dp=2, sequence_parallel=True, **FOLDED, **ALLGATHER),
 }
 FAST = ("ep2_tp2_folded_dp2",)  # the fast tier's one: folding exercises the most of the dispatcher
