@@ -10,7 +10,8 @@ from mjax.kernels import options as kernels
 
 REMAT_NAMES = ("qkv_proj", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden", "mlp_out", "norm",
                kernels.FP8_CAST, *MOE_REMAT_NAMES)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
+INTERLEAVED = ("interleaved_1f1b", "interleaved")  # the schedules with --vpp > 1 chunks per device
 log = logging.getLogger("mjax")
 
 
@@ -213,19 +214,19 @@ def validate_pipeline(cfg: Config) -> None:
             "stage holds the same number of layers and no layer is ever dropped; change one of them")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"--vpp={p.vpp} needs --pp > 1")
-    if p.vpp > 1 and pipeline_schedule(p) != "interleaved":
-        raise ConfigError(f"--vpp={p.vpp} needs the interleaved schedule, not --pipeline_schedule="
-                          f"{p.pipeline_schedule} (leave --pipeline_schedule unset: --vpp selects it)")
-    if p.pp > 1 and pipeline_schedule(p) == "interleaved" and p.vpp == 1:
-        raise ConfigError("--pipeline_schedule=interleaved needs --vpp >= 2 virtual stages per device; "
+    if p.vpp > 1 and pipeline_schedule(p) not in INTERLEAVED:
+        raise ConfigError(f"--vpp={p.vpp} needs an interleaved schedule ({' or '.join(INTERLEAVED)}), not "
+                          f"--pipeline_schedule={p.pipeline_schedule} (unset: --vpp selects interleaved_1f1b)")
+    if p.pp > 1 and pipeline_schedule(p) in INTERLEAVED and p.vpp == 1:
+        raise ConfigError(f"--pipeline_schedule={pipeline_schedule(p)} needs --vpp >= 2 virtual stages per device; "
                           "with --vpp=1 use gpipe or 1f1b")
 
 
 def pipeline_schedule(p) -> str:
-    """--pipeline_schedule, or when unset (as Megatron) interleaved with --vpp > 1, else 1f1b."""
+    """--pipeline_schedule, or when unset (as Megatron) interleaved 1F1B with --vpp > 1, else 1f1b."""
     if p.pipeline_schedule is not None:
         return p.pipeline_schedule
-    return "interleaved" if p.vpp > 1 else "1f1b"
+    return "interleaved_1f1b" if p.vpp > 1 else "1f1b"
 
 
 def validate_quantization(cfg: Config) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 
 from mjax.config.base import ConfigError
-from mjax.config.validate import check_blockwise_dims, positive, validate
+from mjax.config.validate import check_blockwise_dims, pipeline_schedule, positive, validate
 
 log = logging.getLogger("mjax")
 
@@ -75,6 +75,10 @@ def validate_layout(cfg, num_devices: int) -> Batching:
             f"(data-parallel size {batching.shards} x --micro_batch_size={batching.micro_batch_size})) are fewer than "
             f"the --pp={p.pp} pipeline stages, so stages would idle; lower --micro_batch_size or raise "
             f"--global_batch_size to get at least {p.pp}")
+    if p.pp > 1 and pipeline_schedule(p) == "interleaved_1f1b" and batching.micro_batches % p.pp:
+        raise ConfigError(
+            f"--pipeline_schedule=interleaved_1f1b runs the micro-batches in groups of --pp={p.pp} (as Megatron), "
+            f"but the step has {batching.micro_batches}; change --global_batch_size or --micro_batch_size")
     if cfg.precision.fp8_recipe == "blockwise":
         check_blockwise_dims({"--micro_batch_size x --seq_length (tokens per micro-batch)":
                               batching.micro_batch_size * cfg.train.seq_length})

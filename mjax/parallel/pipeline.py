@@ -8,8 +8,12 @@ Schedules (`--pipeline_schedule`), with M micro-batches per step and pp stages:
   1f1b         after pp - 1 warm-up ticks, each tick runs one forward and one backward (pipeline_1f1b.py). A stage
                keeps at most 2 pp - 1 stage inputs and recomputes its forward in the backward slot, so activation
                memory is bounded by the number of stages, not micro-batches. Bubble (pp - 1) / (M + pp - 1).
-  interleaved  each device holds --vpp chunks of layers (Megatron's interleaved assignment) and micro-batches go
-               round the ring of devices vpp times, in GPipe order. Bubble (pp - 1) / (vpp M + pp - 1).
+  interleaved_1f1b  Megatron's interleaved 1F1B: each device holds --vpp chunks of layers (Megatron's interleaved
+               assignment) and runs Megatron's order of chunk forwards and backwards (pipeline_tables.py, run by
+               pipeline_1f1b.py). Activation memory bounded by pp and vpp, not M; M a multiple of pp. Bubble
+               (pp - 1) / (vpp M + pp - 1).
+  interleaved  the same chunks, micro-batches going round the ring of devices vpp times in GPipe order (every
+               activation kept). Bubble (pp - 1) / (vpp M + pp - 1).
 
 Layer placement: the train state and checkpoints keep the stacked layers as [num_layers, ...], sharded in
 contiguous blocks over `pipeline`, so they restore onto any pp/vpp and the shard_maps take them as they are. With
@@ -33,44 +37,16 @@ from mjax.config.validate import pipeline_schedule
 from mjax.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b
 from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
-                                          per_stage_zeros, run_layers, shift, split_params, stored_order_sums)
+                                          my_chunks, per_stage_zeros, run_layers, shift, split_params,
+                                          stored_order_sums)
 from mjax.parallel.rules import BATCH_AXES
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
     """The share of each device's time a schedule leaves idle, with equal stages."""
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "interleaved_1f1b"):
         return (pp - 1) / (vpp * num_micro + pp - 1)
     return (pp - 1) / (num_micro + pp - 1)
-
-
-def interleave_tables(pp: int, vpp: int):
-    """Index tables moving stored chunks (contiguous blocks: device d holds chunks u = d vpp + j) to their
-    interleaved places (device s, chunk c holds u = c pp + s) with one all_to_all of `slots` chunks per peer:
-    send[d, s, i] = the local chunk device d puts in slot i for device s; take[s, c] = (source, slot) of chunk c."""
-    slots = -(-vpp // pp)
-    send, take, used = np.zeros((pp, pp, slots), np.int32), np.zeros((pp, vpp, 2), np.int32), np.zeros((pp, pp), int)
-    for u in range(pp * vpp):
-        (d, j), (c, s) = divmod(u, vpp), divmod(u, pp)
-        send[d, s, used[d, s]], take[s, c] = j, (d, used[d, s])
-        used[d, s] += 1
-    return send, take
-
-
-def my_chunks(local: dict, pp: int, vpp: int) -> dict:
-    """Inside shard_map: this device's block of the stacked layers [vpp Lv, ...] (the stored order, contiguous over
-    `pipeline`) -> the layers it runs, [vpp Lv, ...] holding chunk c = virtual stage c pp + s at [c Lv, (c + 1) Lv)."""
-    send, take = interleave_tables(pp, vpp)
-    me = jax.lax.axis_index(AXIS)
-
-    def one(a):
-        blocks = a.reshape(vpp, a.shape[0] // vpp, *a.shape[1:])  # [vpp, Lv, ...]
-        out = jnp.take(blocks, jnp.asarray(send)[me], axis=0)  # [pp, slots, Lv, ...]: what each peer gets
-        got = jax.lax.all_to_all(out, AXIS, 0, 0)  # [pp, slots, Lv, ...]: what each peer sent here
-        where = jnp.asarray(take)[me]  # [vpp, 2]
-        return got[where[:, 0], where[:, 1]].reshape(a.shape)  # [vpp, Lv, ...] -> [vpp Lv, ...]
-
-    return jax.tree.map(one, local)
 
 
 def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool, moe_weight=0.0):
@@ -80,10 +56,9 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
     (grads, loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
-    if pipeline_schedule(pcfg) == "1f1b":
-        grads, loss_sum, z_sum, busy, moe_sums = pipeline_1f1b.run(model, token_loss, use_segments, pp, stacks, rest,
-                                                                    batch, weight, moe_weight)
-        slots = pipeline_1f1b.num_slots(pp, num)
+    if pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
+        grads, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(model, token_loss, use_segments, pp, vpp, stacks,
+                                                                      rest, batch, weight, moe_weight)
     else:
         def loss(stacks, rest):
             outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch)
@@ -93,8 +68,8 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
         (d_stacks, d_rest), (loss_sum, z_sum, busy, moe_sums) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
             stacks, rest)
         grads = {**d_rest, **d_stacks}
-        slots = vpp * num + pp - 1  # ticks; the backward mirrors them
-    return grads, loss_sum, z_sum, 1.0 - busy / (slots * pp), stored_order_sums(moe_sums, pp)
+        bubble = 1.0 - busy / ((vpp * num + pp - 1) * pp)  # ticks; the backward mirrors them
+    return grads, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp)
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):

@@ -1,107 +1,134 @@
-"""The 1F1B pipeline schedule with explicit forward and backward slots (jax.vjp per stage, no jax.grad of the scan).
+"""The 1F1B schedules (1f1b, and interleaved_1f1b with --vpp > 1) with explicit forward and backward slots: jax.vjp
+per stage, no jax.grad of the scan. Which device runs what at each tick comes from pipeline_tables.py (Megatron's
+order of operations); this module runs those tables.
 
-Device s runs the forward of micro-batch m at tick m + s and its backward at tick m + 2 (pp - 1) - s, so a
-micro-batch's backward starts on the last stage in the tick its forward ends there, and the gradient w.r.t. a stage's
-input reaches the previous stage one tick later. Ticks [0, pp - 1) run forwards only (warm-up), the next M run
-one forward and one backward, the last pp - 1 backwards only (cool-down): (pp - 1) (F + B) idle out of
-(M + pp - 1) (F + B), Megatron's 1F1B bubble.
+Each tick every device runs (at most) the forward of one virtual chunk on one micro-batch and the backward of
+another, in one shard_map manual over `pipeline`; its forward output goes to the next device (device pp - 1 hands
+chunk c's output to device 0's chunk c + 1) and its input gradient to the previous one, by ppermute. What arrives
+waits in a small buffer until its tick. The last virtual stage runs the output layer and loss inside its backward
+slot, right after that micro-batch's forward.
 
-Memory: a stage keeps only the inputs of micro-batches between their forward and backward (at most 2 pp - 1, in
-a ring) and recomputes its forward inside the backward slot, so activation memory does not grow with the number
-of micro-batches. The price is one extra forward of every stage (as with full activation recomputation).
+Memory: a stage keeps only the inputs of its forwards whose backward has not run yet (the tables' `stash` slots:
+2 pp - 1 on the first device with vpp = 1, 2 pp - 1 + (vpp - 1) pp with interleaving), and recomputes its forward
+inside the backward slot, so activation memory does not grow with the number of micro-batches. The price is one
+extra forward of every stage (as with full activation recomputation).
 """
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mjax.parallel.pipeline_stage import (AXIS, embed, head, manual, micro_at, moe_sums_like, per_stage_zeros,
-                                          run_layers, shift)
+from mjax.parallel.pipeline_stage import (AXIS, embed, head, manual, micro_at, moe_sums_like, my_chunks,
+                                          per_stage_zeros, run_layers, shift)
+from mjax.parallel.pipeline_tables import one_f_one_b
 
 
-def num_slots(pp: int, num_micro: int) -> int:
-    """Forward slots (warm-up and steady ticks) plus backward slots (steady and cool-down ticks) of one device."""
-    return 2 * (num_micro + pp - 1)
-
-
-def run(model, token_loss, use_segments, pp, layers, rest, batch, weight, moe_weight=0.0):
+def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, moe_weight=0.0):
     """Gradients of weight x the summed loss of the micro-batches in `batch` ([M, B, T] arrays) plus moe_weight x the
     MoE layers' objective terms. layers: the stacked layers {"layers": [L, ...], "moe_layers": ...} (sharded over
-    `pipeline`); rest: the other params. Returns (grads, loss sum, z sum, useful forward + backward slots over all
-    devices, the MoE sums per device [pp, ...] ({} without MoE layers))."""
+    `pipeline` in stored order); rest: the other params. Returns (grads, loss sum, z sum, the counted bubble, the MoE
+    sums per device [pp, ...] ({} without MoE layers; vpp = 1))."""
     num = batch["inputs"].shape[0]
-    slots = min(2 * pp - 1, num)  # stage inputs waiting for their backward
+    tables = one_f_one_b(pp, vpp, num)
+    chunked, to_stored = layers, None
+    if vpp > 1:  # the interleaved placement; its vjp takes the gradients back to the stored order
+        chunked, to_stored = jax.vjp(manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS)), layers)
+    table = {k: jnp.asarray(getattr(tables, k)) for k in (
+        "f_chunk", "f_micro", "f_input", "f_stash", "b_chunk", "b_micro", "b_input", "b_stash", "f_arrive",
+        "b_arrive")}  # [ticks, pp]
     x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
     f32 = lambda tree, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree)  # noqa: E731
-    carry = {"f_recv": per_stage_zeros(pp, x), "b_recv": per_stage_zeros(pp, x),  # [pp, B, T, D]
-             "stash": per_stage_zeros(pp, x, slots),  # [pp, slots, B, T, D]
+    carry = {"f_arriving": per_stage_zeros(pp, x), "b_arriving": per_stage_zeros(pp, x),  # [pp, B, T, D]
+             "received": per_stage_zeros(pp, x, tables.received), "grads": per_stage_zeros(pp, x, tables.grads),
+             "stash": per_stage_zeros(pp, x, tables.stash),  # [pp, slots, B, T, D]
              "d_head": f32(rest, pp), "loss": jnp.zeros((pp,)), "z": jnp.zeros((pp,)),
-             "busy": jnp.zeros((pp,), jnp.int32),
              "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments)}
 
-    def forward(s, c, layers, first, t, batch):
-        m = t - s
-        valid = (m >= 0) & (m < num)
-        micro = micro_at(batch, jnp.clip(m, 0, num - 1))
-        x = jnp.where(s == 0, first, c["f_recv"])
-        slot = jnp.mod(m, slots)
-        c["stash"] = c["stash"].at[slot].set(jnp.where(valid, x, c["stash"][slot]))
-        c["f_recv"] = shift(run_layers(model, layers, x, micro, use_segments)[0], pp, +1)
-        c["busy"] += valid.astype(jnp.int32)
+    def chunk_of(tree, c):  # this device's layers [vpp Lv, ...] -> chunk c's [Lv, ...]
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * (a.shape[0] // vpp), a.shape[0] // vpp),
+                            tree)
 
-    def backward(s, c, d_layers, layers, rest, t, batch, weight, moe_weight):
-        m = t - 2 * (pp - 1) + s
-        valid, last = (m >= 0) & (m < num), s == pp - 1
-        micro = micro_at(batch, jnp.clip(m, 0, num - 1))
+    def arrive(c, row):  # what the neighbours sent last tick, into its buffer slot (dropped at -1)
+        for buffer, arriving, slot in (("received", "f_arriving", row["f_arrive"]),
+                                       ("grads", "b_arriving", row["b_arrive"])):
+            i = jnp.maximum(slot, 0)
+            c[buffer] = c[buffer].at[i].set(jnp.where(slot >= 0, c[arriving], c[buffer][i]))
+
+    def forward(s, c, layers, first, row, batch):
+        chunk, valid = jnp.maximum(row["f_chunk"], 0), row["f_chunk"] >= 0
+        micro = micro_at(batch, jnp.maximum(row["f_micro"], 0))
+        x = jnp.where(row["f_input"] >= 0, c["received"][jnp.maximum(row["f_input"], 0)], first)
+        slot = jnp.maximum(row["f_stash"], 0)
+        c["stash"] = c["stash"].at[slot].set(jnp.where(valid, x, c["stash"][slot]))
+        c["f_arriving"] = shift(run_layers(model, chunk_of(layers, chunk), x, micro, use_segments)[0], pp, +1,
+                            circular=vpp > 1)
+
+    def backward(s, c, d_layers, layers, rest, row, batch, weight, moe_weight):
+        chunk, valid = jnp.maximum(row["b_chunk"], 0), row["b_chunk"] >= 0
+        last = valid & (s == pp - 1) & (chunk == vpp - 1)
+        micro = micro_at(batch, jnp.maximum(row["b_micro"], 0))
+
         def stage_fn(l, x):  # ((y, MoE objective terms), MoE sums)
             y, obj, sums = run_layers(model, l, x, micro, use_segments)
             return (y, obj), sums
 
-        (y, obj), stage_vjp, sums = jax.vjp(stage_fn, layers, c["stash"][jnp.mod(m, slots)], has_aux=True)
+        (y, obj), stage_vjp, sums = jax.vjp(stage_fn, chunk_of(layers, chunk),
+                                            c["stash"][jnp.maximum(row["b_stash"], 0)], has_aux=True)
         total, head_vjp, z = jax.vjp(lambda r, y: head(model, token_loss, r, y, micro), rest, y, has_aux=True)
-        d_rest, dy = head_vjp(jnp.where(last & valid, weight, 0.0).astype(total.dtype))
-        dy = jnp.where(valid, jnp.where(last, dy, c["b_recv"]), 0.0).astype(y.dtype)
+        d_rest, dy = head_vjp(jnp.where(last, weight, 0.0).astype(total.dtype))
+        received = c["grads"][jnp.maximum(row["b_input"], 0)]
+        dy = jnp.where(valid, jnp.where(last, dy, received), 0.0).astype(y.dtype)
         d_block, dx = stage_vjp((dy, jnp.where(valid, moe_weight, 0.0).astype(obj.dtype)))
         c["moe_sums"] = jax.tree.map(lambda a, b: a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
         c["d_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["d_head"], d_rest)
-        c["loss"] += jnp.where(last & valid, total, 0.0)
-        c["z"] += jnp.where(last & valid, z, 0.0)
-        c["b_recv"] = shift(dx, pp, -1)
-        c["busy"] += valid.astype(jnp.int32)
-        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_layers, d_block), dx
+        c["loss"] += jnp.where(last, total, 0.0)
+        c["z"] += jnp.where(last, z, 0.0)
+        c["b_arriving"] = shift(dx, pp, -1, circular=vpp > 1)
+
+        def add(a, d):  # chunk `chunk` of the accumulated gradients [vpp Lv, ...] += d [Lv, ...]
+            size = a.shape[0] // vpp
+            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
+            return jax.lax.dynamic_update_slice_in_dim(a, old + d.astype(jnp.float32), chunk * size, 0)
+
+        return jax.tree.map(add, d_layers, d_block), dx
 
     def tick_fn(do_forward, do_backward):
-        def stage(layers, rest, carry, d_layers, first, t, batch, weight, moe_weight):  # inside shard_map
+        def stage(layers, rest, carry, d_layers, first, rows, batch, weight, moe_weight):  # inside shard_map
             s = jax.lax.axis_index(AXIS)
-            c = jax.tree.map(lambda a: a[0], carry)
-            dx = jnp.zeros_like(c["f_recv"])
+            c, row = jax.tree.map(lambda a: a[0], carry), jax.tree.map(lambda a: a[s], rows)
+            arrive(c, row)
+            dx = jnp.zeros_like(c["f_arriving"])
             if do_forward:
-                forward(s, c, layers, first, t, batch)
+                forward(s, c, layers, first, row, batch)
             if do_backward:
-                d_layers, dx = backward(s, c, d_layers, layers, rest, t, batch, weight, moe_weight)
+                d_layers, dx = backward(s, c, d_layers, layers, rest, row, batch, weight, moe_weight)
             return jax.tree.map(lambda a: a[None], c), d_layers, dx[None]
 
         run_stage = manual(stage, (P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P(), P(), P()), (P(AXIS),) * 3)
 
         def tick(state, t):
             carry, d_layers, d_embed = state
-            first = (embed(model, rest, micro_at(batch, jnp.clip(t, 0, num - 1))) if do_forward  # stage 0's input
-                     else jnp.zeros(x.shape, x.dtype))
-            carry, d_layers, dx = run_stage(layers, rest, carry, d_layers, first, t, batch, weight,
+            rows = jax.tree.map(lambda a: a[t], table)  # [pp] each
+            first = (embed(model, rest, micro_at(batch, jnp.maximum(rows["f_micro"][0], 0))) if do_forward
+                     else jnp.zeros(x.shape, x.dtype))  # device 0's input when it runs chunk 0
+            carry, d_layers, dx = run_stage(chunked, rest, carry, d_layers, first, rows, batch, weight,
                                             jnp.asarray(moe_weight, jnp.float32))
-            if do_backward:  # stage 0's input gradient (zero unless valid) flows into the embedding lookup
-                micro = micro_at(batch, jnp.clip(t - 2 * (pp - 1), 0, num - 1))
+            if do_backward:  # device 0's input gradient of chunk 0 flows into the embedding lookup
+                into = (rows["b_chunk"][0] == 0).astype(dx.dtype)
+                micro = micro_at(batch, jnp.maximum(rows["b_micro"][0], 0))
                 _, embed_vjp = jax.vjp(lambda r: embed(model, r, micro), rest)
-                d_embed = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_embed, embed_vjp(dx[0])[0])
+                d_embed = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_embed, embed_vjp(dx[0] * into)[0])
             return (carry, d_layers, d_embed), None
 
         return tick
 
-    state = (carry, f32(layers), f32(rest))
-    for do_forward, do_backward, start, stop in ((True, False, 0, pp - 1), (True, True, pp - 1, num + pp - 1),
-                                                 (False, True, num + pp - 1, num + 2 * (pp - 1))):
+    state = (carry, f32(chunked), f32(rest))
+    for do_forward, do_backward, start, stop in tables.phases():
         state, _ = jax.lax.scan(tick_fn(do_forward, do_backward), state, jnp.arange(start, stop))
     carry, d_layers, d_embed = state
+    if to_stored is not None:
+        (d_layers,) = to_stored(jax.tree.map(lambda g, p: g.astype(p.dtype), d_layers, chunked))
+        d_layers = jax.tree.map(lambda g: g.astype(jnp.float32), d_layers)
     d_rest = jax.tree.map(lambda h, e: h.sum(0) + e, carry["d_head"], d_embed)
-    return ({**d_rest, **d_layers}, jnp.sum(carry["loss"]), jnp.sum(carry["z"]), jnp.sum(carry["busy"]),
+    return ({**d_rest, **d_layers}, jnp.sum(carry["loss"]), jnp.sum(carry["z"]), tables.bubble(),
             carry["moe_sums"])

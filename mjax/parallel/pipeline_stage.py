@@ -11,6 +11,7 @@ devices (one [B, T, D] collective) for the lookup's gradient.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mjax.model import moe_terms
 from mjax.sharding import current_logical_sharding, logical_sharding
@@ -148,3 +149,32 @@ def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
     loss = jax.custom_vjp(lambda r, h: forward(r, h)[0])
     loss.defvjp(forward, backward)
     return loss(rest, hs)
+
+
+def interleave_tables(pp: int, vpp: int):
+    """Index tables moving stored chunks (contiguous blocks: device d holds chunks u = d vpp + j) to their
+    interleaved places (device s, chunk c holds u = c pp + s) with one all_to_all of `slots` chunks per peer:
+    send[d, s, i] = the local chunk device d puts in slot i for device s; take[s, c] = (source, slot) of chunk c."""
+    slots = -(-vpp // pp)
+    send, take, used = np.zeros((pp, pp, slots), np.int32), np.zeros((pp, vpp, 2), np.int32), np.zeros((pp, pp), int)
+    for u in range(pp * vpp):
+        (d, j), (c, s) = divmod(u, vpp), divmod(u, pp)
+        send[d, s, used[d, s]], take[s, c] = j, (d, used[d, s])
+        used[d, s] += 1
+    return send, take
+
+
+def my_chunks(local: dict, pp: int, vpp: int) -> dict:
+    """Inside shard_map: this device's block of the stacked layers [vpp Lv, ...] (the stored order, contiguous over
+    `pipeline`) -> the layers it runs, [vpp Lv, ...] holding chunk c = virtual stage c pp + s at [c Lv, (c + 1) Lv)."""
+    send, take = interleave_tables(pp, vpp)
+    me = jax.lax.axis_index(AXIS)
+
+    def one(a):
+        blocks = a.reshape(vpp, a.shape[0] // vpp, *a.shape[1:])  # [vpp, Lv, ...]
+        out = jnp.take(blocks, jnp.asarray(send)[me], axis=0)  # [pp, slots, Lv, ...]: what each peer gets
+        got = jax.lax.all_to_all(out, AXIS, 0, 0)  # [pp, slots, Lv, ...]: what each peer sent here
+        where = jnp.asarray(take)[me]  # [vpp, 2]
+        return got[where[:, 0], where[:, 1]].reshape(a.shape)  # [vpp, Lv, ...] -> [vpp Lv, ...]
+
+    return jax.tree.map(one, local)

@@ -13,12 +13,17 @@ from jax.sharding import PartitionSpec as P
 from mjax.parallel.layout import validate_layout
 from mjax.train.loop import checkpointer
 from mjax.config import ConfigError
+from mjax.config.validate import pipeline_schedule
 from mjax.sharding import logical_sharding
 from mjax.parallel import pipeline
+from mjax.parallel.pipeline_tables import one_f_one_b
 from mjax.parallel.rules import batch_sharding, logical_rules
 from mjax.train.loop import build
 from mjax.train.step import make_eval_step, make_train_step
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
+
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 STEPS = 3
@@ -53,7 +58,7 @@ def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
             snapshots.append(jax.device_get(state.params))
     p = cfg.parallel
     if p.pp > 1:
-        expected = pipeline.bubble_fraction(p.pipeline_schedule, p.pp, p.vpp, setup.micro_batches)
+        expected = pipeline.bubble_fraction(pipeline_schedule(p), p.pp, p.vpp, setup.micro_batches)
         assert float(metrics["pipeline_bubble"]) == pytest.approx(expected, abs=1e-6)
     return losses, state, setup
 
@@ -89,6 +94,7 @@ def pp2_checkpoint(tmp_path_factory):
 
 LAYOUTS = {  # (parallel, micro-batch size): 2-4 micro-batches of the 16-sample global batch
     "pp2_vpp2_dp2_tp2_interleaved": (dict(pp=2, vpp=2, tp=2, pipeline_schedule="interleaved"), 2),
+    "pp2_vpp2_dp2_tp2_interleaved_1f1b": (dict(pp=2, vpp=2, tp=2), 2),  # --vpp alone: interleaved 1F1B
     "pp2_fsdp2_tp2_sp_1f1b": (dict(pp=2, fsdp=2, tp=2, sequence_parallel=True), 2),
 }
 
@@ -148,11 +154,11 @@ def test_pp2_checkpoint_restores_at_pp1_with_the_same_eval_loss(pp2_checkpoint):
                                rtol=2e-6)
 
 
-def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=256):
-    """XLA's temporary bytes per device of the compiled train step (pp stages of one layer each, dp=1), and the
+def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=256, vpp=1):
+    """XLA's temporary bytes per device of the compiled train step (pp x vpp stages of one layer each, dp=1), and the
     bytes of one stage input [micro, seq, hidden]. Also checks that no stacked layer weight is ever gathered. The
     sequence is long enough that stage inputs, not the tiny fp32 weights' per-step copies, set the peak."""
-    cfg = tiny_config(model=dict(num_layers=pp), parallel=dict(pp=pp, pipeline_schedule=schedule),
+    cfg = tiny_config(model=dict(num_layers=pp * vpp), parallel=dict(pp=pp, vpp=vpp, pipeline_schedule=schedule),
                       train=dict(global_batch_size=num_micro * micro, micro_batch_size=micro, seq_length=seq))
     setup = build(cfg, jax.devices()[:pp])
     batch = {k: jax.ShapeDtypeStruct((num_micro, micro, seq), jnp.float32 if k == "loss_mask" else jnp.int32,
@@ -166,7 +172,6 @@ def _step_temp_bytes(schedule, pp, num_micro, micro=2, seq=256):
     return compiled.memory_analysis().temp_size_in_bytes, micro * seq * cfg.model.hidden_size * 4
 
 
-@pytest.mark.slow
 def test_1f1b_activation_memory_grows_with_stages_not_micro_batches():
     one_f, act = {}, None
     for pp, num in ((2, 4), (2, 12), (4, 12)):
@@ -178,6 +183,36 @@ def test_1f1b_activation_memory_grows_with_stages_not_micro_batches():
     assert 4 * act <= one_f[4, 12] - one_f[2, 12] <= 8 * act
     # GPipe keeps every micro-batch's activations: far more than one stage input per extra micro-batch.
     assert gpipe[12] - gpipe[4] > 8 * 10 * act
+
+
+def test_interleaved_1f1b_activation_memory_does_not_grow_with_micro_batches():
+    (temp4, act), temp16 = _step_temp_bytes("interleaved_1f1b", 2, 4, vpp=2), _step_temp_bytes("interleaved_1f1b", 2,
+                                                                                                16, vpp=2)[0]
+    gpipe_order = {num: _step_temp_bytes("interleaved", 2, num, vpp=2)[0] for num in (4, 16)}
+    # Four times the micro-batches: the same buffers (what grows is the schedule's int32 index rows, bytes).
+    assert abs(temp16 - temp4) < act / 100, (temp4, temp16, act)
+    # The GPipe-order interleaving keeps every micro-batch's activations: several stage inputs per extra one.
+    assert gpipe_order[16] - gpipe_order[4] > 12 * act
+
+
+@pytest.mark.parametrize("pp, vpp, num", [(2, 1, 4), (4, 1, 8), (2, 2, 4), (2, 2, 16), (4, 2, 8), (4, 4, 16),
+                                          (3, 2, 6)])
+def test_1f1b_tables_count_megatrons_bubble_and_bound_the_stash(pp, vpp, num):
+    """The schedule tables: every forward and backward of every (chunk, micro-batch) once per device, each backward
+    after its forward and its downstream backward, the idle share (pp - 1) / (vpp M + pp - 1), and stage inputs
+    kept bounded by pp and vpp (the same for M and 4 M)."""
+    tables = one_f_one_b(pp, vpp, num)
+    for s in range(pp):
+        f = {(c, m): t for t, (c, m) in enumerate(zip(tables.f_chunk[:, s], tables.f_micro[:, s])) if c >= 0}
+        b = {(c, m): t for t, (c, m) in enumerate(zip(tables.b_chunk[:, s], tables.b_micro[:, s])) if c >= 0}
+        assert set(f) == set(b) == {(c, m) for c in range(vpp) for m in range(num)}
+        assert all(f[k] <= b[k] for k in f)
+        if s < pp - 1:  # a backward needs the next device's backward of the same virtual stage, a tick before
+            nxt = {(c, m): t for t, (c, m) in enumerate(zip(tables.b_chunk[:, s + 1], tables.b_micro[:, s + 1]))
+                   if c >= 0}
+            assert all(nxt[k] < b[k] for k in b)
+    assert tables.bubble() == pytest.approx((pp - 1) / (vpp * num + pp - 1), abs=1e-12)
+    assert tables.stash == one_f_one_b(pp, vpp, 4 * num).stash == 2 * pp - 1 + (vpp - 1) * pp
 
 
 @pytest.mark.parametrize("pp, vpp", [(2, 2), (2, 3), (4, 2), (4, 4), (2, 5)])
@@ -198,7 +233,9 @@ def test_interleaved_chunks_hold_megatrons_layers(pp, vpp):
     (dict(pp=3), {}, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
     (dict(pp=2, vpp=4, pipeline_schedule="interleaved"), {}, "not divisible by --pp=2 x --vpp=4"),
     (dict(pp=2, decoder_last_pipeline_num_layers=1), {}, "decoder_last_pipeline_num_layers.*not supported"),
-    (dict(pp=2, vpp=2, pipeline_schedule="1f1b"), {}, "--vpp=2 needs the interleaved schedule"),
+    (dict(pp=2, vpp=2, pipeline_schedule="1f1b"), {}, "--vpp=2 needs an interleaved schedule"),
+    (dict(pp=4, vpp=2), dict(model=dict(num_layers=8), train=dict(micro_batch_size=1, global_batch_size=12)),
+     "interleaved_1f1b runs the micro-batches in groups of --pp=4"),
     (dict(pp=2, pipeline_schedule="interleaved"), {}, "interleaved needs --vpp >= 2"),
     (dict(vpp=2, pipeline_schedule="interleaved"), {}, "--vpp=2 needs --pp > 1"),
     (dict(pp=2, pipeline_schedule="zb"), {}, "--pipeline_schedule='zb' is not one of"),
