@@ -13,6 +13,6 @@ train: setup
 test: setup
 	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 --dist loadscope $(ARGS)
 
-# The fast tier: every test not marked slow (each under ~20 s on 2 cores).
+# The fast tier: every test not marked slow (slow: training runs, sharded programs, scripts).
 test-fast: setup
 	JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES=8 $(PY) -m pytest -n 2 --dist loadscope -m "not slow" $(ARGS)

@@ -14,6 +14,9 @@ from mjax.config import ConfigError, load_config
 ROOT = Path(__file__).resolve().parents[2]
 from benchmarks import benchmark
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 
 def test_sweep_grid_and_field_names():
     cases = benchmark.parse_sweep("remat_policy=none,full; tp=1,2")

@@ -21,6 +21,9 @@ from mjax.train.checkpoint import Checkpointer
 from mjax.train.loop import build, checkpointer, train
 from tests.helpers.train_utils import tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SAVED_LAYOUT = dict(tp=2, fsdp=2)  # x dp=2 on the 8 CPU devices
 
@@ -238,7 +241,6 @@ def test_kill_9_mid_save_keeps_the_last_complete_step_and_sigterm_saves_then_exi
     assert all(r["loss"] == before[r["step"] - 1]["loss"] for r in after if r["step"] <= len(before))  # bitwise
 
 
-@pytest.mark.slow
 def test_two_processes_save_restore_onto_another_layout_and_stop_together(tmp_path):
     with socket.socket() as sock:
         sock.bind(("localhost", 0))

@@ -15,6 +15,9 @@ from mjax.convert import source as sources
 from mjax.data.tokenizer import build_tokenizer
 from mjax.model import build_model
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", PYTHONPATH=str(ROOT))
 TOKENS = np.random.default_rng(0).integers(1, 1024, (2, 12)).astype(np.int32)  # [B, T]

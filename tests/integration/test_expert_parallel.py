@@ -21,6 +21,9 @@ from mjax.train.loop import build, checkpointer, evaluate, train
 from mjax.train.step import make_eval_step
 from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 MOE = dict(num_layers=2, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_dense_layers=0,
            moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
@@ -37,7 +40,6 @@ LAYOUTS = {
     "ep2_dp4_allgather": dict(ep=2, dp=4, **ALLGATHER),
     "ep2_tp2_folded_sp_allgather": dict(ep=2, tp=2, dp=2, sequence_parallel=True, **FOLDED, **ALLGATHER),
 }
-FAST = ("ep2_tp2_folded_dp2",)  # the fast tier's one: folding exercises the most of the dispatcher
 
 
 def _sizes(parallel):
@@ -70,7 +72,7 @@ def _assert_same_training(history, params, ref_history, ref_params):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_layout_matches_single_device(layout):
     parallel = LAYOUTS[layout]
     ref_history, ref_params, _ = _single_device()
@@ -84,7 +86,6 @@ def test_expert_parallel_layout_matches_single_device(layout):
     assert kernel.addressable_shards[0].data.shape[1] == MOE["num_experts"] // ranks  # created split, never whole
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("pad", [False, True])
 def test_capacity_is_per_rank_as_under_data_parallelism(pad):
     """With a capacity the dropped tokens depend on the dispatch group: each rank's tokens, the same groups as dp8."""
@@ -161,7 +162,6 @@ def _eval_loss(cfg, devices):
         return evaluate(eval_fn, state.params, batches, setup), jax.device_get(state.params)
 
 
-@pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_restores_at_ep2_ep8_and_ep1(tmp_path):
     run = str(tmp_path / "run")
     saved = tiny_config(model=MOE, parallel=dict(ep=4, dp=2), checkpoint=dict(save=run),

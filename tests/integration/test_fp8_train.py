@@ -24,6 +24,9 @@ from mjax.train.step import make_train_step
 from tests.helpers.lockstep import assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 # Measured: each recipe's window means (this CPU, and with every GEMM's output and input gradients moved by one ulp
 # at random, 17 runs) stay within 0.058 of bf16's, the last window within 0.031; bf16 against itself so moved: 0.011.
 STEPS, WINDOW_TOL, FINAL_TOL = 50, 0.15, 0.1
@@ -141,7 +144,6 @@ def runs():
     return out
 
 
-@pytest.mark.slow  # the runs fixture: about 50 s on 2 cores
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "bf16"])
 def test_convergence_close_to_bf16(runs, recipe):
     base, got = runs["bf16"][3], runs[recipe][3]
@@ -150,7 +152,6 @@ def test_convergence_close_to_bf16(runs, recipe):
     assert windows.max() < WINDOW_TOL and windows[-1] < FINAL_TOL, (recipe, windows)
 
 
-@pytest.mark.slow
 def test_delayed_state_updates_each_step(runs):
     _, _, state, _, metrics = runs["delayed"]
     hist = np.asarray(state.fp8.amax_history["layers"]["attn"]["q_proj"]["fp8_meta"])  # [layers, H=4, 3]
@@ -162,7 +163,6 @@ def test_delayed_state_updates_each_step(runs):
     assert runs["bf16"][2].fp8 is None and runs["nvfp4"][2].fp8 is None
 
 
-@pytest.mark.slow
 def test_fp8_state_survives_checkpoint(runs, tmp_path):
     from mjax.train.loop import checkpointer
     from mjax.train.loop import build

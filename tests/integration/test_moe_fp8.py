@@ -20,6 +20,9 @@ from mjax.parallel.layout import validate_layout
 from mjax.train.loop import build
 from tests.helpers.train_utils import run_steps, tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 STEPS, WINDOW_TOL, FINAL_TOL, FIRST_TOL = 50, 0.2, 0.1, 0.005
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_first_dense_layers=1,
            moe_shared_expert_intermediate_size=128)
@@ -93,7 +96,6 @@ def runs():
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_moe_trains_within_fp8_tolerance_of_bf16(runs, recipe):
     base, got = runs["bf16"][0], runs[recipe][0]
@@ -103,7 +105,6 @@ def test_fp8_moe_trains_within_fp8_tolerance_of_bf16(runs, recipe):
     assert windows.max() < WINDOW_TOL and windows[-1] < FINAL_TOL, (recipe, windows)
 
 
-@pytest.mark.slow
 def test_fp8_state_holds_the_expert_projections(runs):
     """Delayed scaling keeps an amax history and scales per expert projection ([layers, experts, H, 3] and
     [layers, experts, 3]) next to the dense layers' and the shared experts', updated every step (most_recent:
@@ -129,7 +130,6 @@ def _train_losses(cfg, devices, iters):
     return np.array([float(m["loss"]) for m in history]), state
 
 
-@pytest.mark.slow
 def test_dispatch_groups_share_the_scales_so_data_parallel_trains_as_one_device():
     """--dp=2 dispatches per batch shard (two dispatch groups); their amaxes are reduced over both, so every tensor
     is quantized as on one device. float32 compute: the layouts reorder reductions only, and FP8 rounding of the
@@ -144,7 +144,6 @@ def test_dispatch_groups_share_the_scales_so_data_parallel_trains_as_one_device(
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-2)
 
 
-@pytest.mark.slow
 def test_pallas_kernels_train_like_the_reference():
     """--moe_grouped_gemm_impl=pallas with --quant_impl=pallas (the FP8 kernels and the cast-transpose interpreted)
     against the dequantize + ragged_dot reference, delayed scaling: the same quantized values, the GEMMs summed in

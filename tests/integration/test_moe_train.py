@@ -12,6 +12,9 @@ import pytest
 
 from tests.helpers.train_utils import run_steps, tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 MOE = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_dense_layers=1,
@@ -49,7 +52,7 @@ def _single_device(model):
     return _single[key]
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "dp2_tp2_sp" else pytest.mark.slow) for k in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_moe_layout_matches_single_device(layout):
     parallel, micro, model = LAYOUTS[layout]
     ref_history, ref_params, _ = _single_device(model)
@@ -80,7 +83,6 @@ def _cli_losses(tmp_path, name, *flags):
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_tiny_moe_trains_on_the_sample_corpus_like_the_dense_model(tmp_path):
     dense = _cli_losses(tmp_path, "dense")
     moe = _cli_losses(tmp_path, "moe", "--num_experts=8", "--moe_router_topk=2", "--moe_ffn_hidden_size=128",

@@ -17,6 +17,9 @@ from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep_each
 from tests.helpers.train_utils import (FAST_COMPILE, initial_state, multiprocess_config, pattern_batches, run_steps,
                                        tiny_config)
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads
 # fp32 SGD (no sign-like first Adam step), 3 steps: every GEMM's output and input gradients moved by up to 4 ulps at
@@ -149,7 +152,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_match_the_single_process_run(tmp_path):
     cfg = multiprocess_config()
     run = train(cfg, data=(pattern_batches(cfg), None), state=initial_state(build(cfg)))

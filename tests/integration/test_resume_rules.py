@@ -22,7 +22,8 @@ from mjax.storage import params as params_io
 from mjax.train.loop import Setup, build, train
 from tests.helpers.train_utils import pattern_batches, tiny_config
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # the runs compile the same step again
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]  # the runs compile the same step again
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}
 
@@ -51,7 +54,6 @@ def test_config_errors_exit_2_with_the_flag_named():
     assert "--model.num_attention_heads=3" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.slow  # ~20 s on 2 cores: a 4-layer model's init and step compiled on one device, with TP + SP and PP
 def test_layout_check_script_matches_one_device_on_the_layouts_asked_for(tmp_path):
     """The program end to end on a representative pair (every layout's numbers: test_parallel.py, test_pipeline.py)."""
     env = {**ENV, "JAX_NUM_CPU_DEVICES": "2"}
@@ -78,7 +80,6 @@ def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
     assert rows[0]["of_copy"] == 1.0 and all(r["us"] > 0 for r in rows)
 
 
-@pytest.mark.slow  # ~20 s on 2 cores: an init, a train step and an eval step compiled per recipe
 def test_convergence_script_trains_each_recipe_from_the_same_start(tmp_path):
     """Two recipes (the reference and FP8), two steps: the program's table and JSON, not each recipe's numbers."""
     run = lambda *f: subprocess.run(  # noqa: E731

@@ -13,6 +13,9 @@ from mjax.train.state import LossScale
 from mjax.train.step import make_eval_step
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
 
 SGD = dict(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)  # params after one step = init - grads
 
