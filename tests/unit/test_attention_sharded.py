@@ -62,7 +62,7 @@ def test_pallas_attention_per_shard_equals_reference(tp, kv_heads):
     assert not any(_collectives(hlo)[c] for c in GATHERS)  # each shard attends over its own rows and heads
 
 
-@pytest.mark.slow  # a train step or several sharded programs compiled
+@pytest.mark.slow  # compile-heavy: several programs (or a train step) compiled
 @pytest.mark.parametrize("n, kv_heads", [(8, 4), (8, 2), (8, 1), (12, 3)])
 def test_forward_and_backward_per_shard_dp2_tp4(n, kv_heads):
     """dp=2 x tp=4: K/V heads split with the query heads (8/4), or whole and sliced per shard (8/2, 8/1), their
@@ -90,7 +90,7 @@ def test_forward_and_backward_per_shard_dp2_tp4(n, kv_heads):
     assert (counts["all-reduce"] > 0) == (kv_heads < 4 and not straddles), counts
 
 
-@pytest.mark.slow  # a train step or several sharded programs compiled
+@pytest.mark.slow  # compile-heavy: several programs (or a train step) compiled
 @pytest.mark.parametrize("data, tp", [(2, 2), (1, 4)])
 def test_per_shard_inside_the_pipeline_shard_map(data, tp):
     """Inside a shard_map manual over `pipeline` (as the pipeline stages run) the kernel still runs per shard of

@@ -25,6 +25,7 @@ def _x(shape, seed=0):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
+@pytest.mark.slow  # compile-heavy: several programs (or a train step) compiled
 def test_fused_qkv_matches_the_separate_projections_and_their_gradients():
     cfg = _model_cfg()
     attn = Attention(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))

@@ -1,5 +1,5 @@
 """Config and layout validation (no JAX): flags that used to be ignored are errors or one notice, --vpp alone picks
-the interleaved schedule, and --pp with an unset micro-batch picks one that gives every stage work."""
+the interleaved 1F1B schedule, and --pp with an unset micro-batch picks one that gives every stage work."""
 
 import logging
 import os
@@ -59,13 +59,13 @@ def test_sequence_parallel_with_tp_gives_no_warning(mjax_warnings):
     assert mjax_warnings() == []
 
 
-def test_vpp_alone_selects_the_interleaved_schedule():
+def test_vpp_alone_selects_the_interleaved_1f1b_schedule():
     cfg = TINY.replace(parallel=dict(pp=2, vpp=2))
     assert cfg.parallel.pipeline_schedule is None
     validate_layout(cfg, 2)
-    assert pipeline_schedule(cfg.parallel) == "interleaved"
+    assert pipeline_schedule(cfg.parallel) == "interleaved_1f1b"  # Megatron's interleaved schedule
     assert pipeline_schedule(TINY.replace(parallel=dict(pp=2)).parallel) == "1f1b"  # Megatron's default without vpp
-    with pytest.raises(ConfigError, match="--vpp=2 needs the interleaved schedule"):
+    with pytest.raises(ConfigError, match="--vpp=2 needs an interleaved schedule"):
         validate_layout(TINY.replace(parallel=dict(pp=2, vpp=2, pipeline_schedule="gpipe")), 2)
 
 

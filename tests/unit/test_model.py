@@ -104,7 +104,7 @@ def test_packed_documents_equal_separate_runs(family):
     np.testing.assert_allclose(out[0, 5:], np.asarray(model.apply(params, docs[1][None]))[0], atol=1e-5)
 
 
-@pytest.mark.slow  # a train step or several sharded programs compiled
+@pytest.mark.slow  # compile-heavy: several programs (or a train step) compiled
 def test_scan_and_unrolled_layers_agree_and_unrolled_gradients_are_concatenated():
     cfg = FAMILIES["llama3"]
     params = build_model(cfg).init(jax.random.key(0))

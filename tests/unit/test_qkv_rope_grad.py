@@ -93,7 +93,7 @@ def test_lowers_through_triton_for_h200():
     assert lower_for_h200(f, dq, dkv, dkv, angles, angles) == 1
 
 
-@pytest.mark.slow  # a train step or several sharded programs compiled
+@pytest.mark.slow  # compile-heavy: several programs (or a train step) compiled
 def test_training_with_the_kernel_matches_autodiff_under_tp_sp():
     """The tiny Llama trained 3 steps, tp2 + sp over 8 devices: the kernel (interpreted, per shard) and autodiff's
     concatenate take the same steps, in lockstep from the same state (tests/helpers/lockstep.py), within bf16's one-step
