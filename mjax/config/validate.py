@@ -159,8 +159,9 @@ def validate_moe(cfg: Config) -> None:
             raise ConfigError(f"--pp={p.pp} x --vpp={p.vpp}: every pipeline stage runs one SPMD program, so each stage's "
                               f"{stage} layers must have the same dense/MoE pattern; --moe_layer_freq="
                               f"{m.moe_layer_freq} with --moe_first_dense_layers={m.moe_first_dense_layers} does not")
-        if p.vpp > 1:
-            raise ConfigError(f"--vpp={p.vpp} with MoE layers is not supported yet; use --vpp=1 (gpipe or 1f1b)")
+        if p.vpp > 1 and pipeline_schedule(p) != "interleaved_1f1b":
+            raise ConfigError(f"--vpp={p.vpp} with MoE layers runs with --pipeline_schedule=interleaved_1f1b (what "
+                              f"--vpp selects when the schedule is unset), not {pipeline_schedule(p)}")
         for flag, bad in (("moe_router_load_balancing_type=global_aux_loss",
                            m.moe_router_load_balancing_type == "global_aux_loss"),
                           ("moe_router_force_load_balancing", m.moe_router_force_load_balancing)):

@@ -69,7 +69,7 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
             stacks, rest)
         grads = {**d_rest, **d_stacks}
         bubble = 1.0 - busy / ((vpp * num + pp - 1) * pp)  # ticks; the backward mirrors them
-    return grads, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp)
+    return grads, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp, vpp)
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):

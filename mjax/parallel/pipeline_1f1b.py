@@ -27,7 +27,7 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
     """Gradients of weight x the summed loss of the micro-batches in `batch` ([M, B, T] arrays) plus moe_weight x the
     MoE layers' objective terms. layers: the stacked layers {"layers": [L, ...], "moe_layers": ...} (sharded over
     `pipeline` in stored order); rest: the other params. Returns (grads, loss sum, z sum, the counted bubble, the MoE
-    sums per device [pp, ...] ({} without MoE layers; vpp = 1))."""
+    sums per device [pp, ...] in the order each device runs its layers ({} without MoE layers))."""
     num = batch["inputs"].shape[0]
     tables = one_f_one_b(pp, vpp, num)
     chunked, to_stored = layers, None
@@ -68,6 +68,11 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
         last = valid & (s == pp - 1) & (chunk == vpp - 1)
         micro = micro_at(batch, jnp.maximum(row["b_micro"], 0))
 
+        def add_at_chunk(a, d):  # a [vpp Lv, ...] (this device's layers, or their MoE counts) += d [Lv, ...]
+            size = a.shape[0] // vpp
+            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
+            return jax.lax.dynamic_update_slice_in_dim(a, old + d.astype(jnp.float32), chunk * size, 0)
+
         def stage_fn(l, x):  # ((y, MoE objective terms), MoE sums)
             y, obj, sums = run_layers(model, l, x, micro, use_segments)
             return (y, obj), sums
@@ -79,18 +84,14 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
         received = c["grads"][jnp.maximum(row["b_input"], 0)]
         dy = jnp.where(valid, jnp.where(last, dy, received), 0.0).astype(y.dtype)
         d_block, dx = stage_vjp((dy, jnp.where(valid, moe_weight, 0.0).astype(obj.dtype)))
-        c["moe_sums"] = jax.tree.map(lambda a, b: a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
+        c["moe_sums"] = jax.tree.map(lambda a, b: add_at_chunk(a, jnp.where(valid, b, 0.0)) if a.ndim > 1
+                                     else a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
         c["d_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["d_head"], d_rest)
         c["loss"] += jnp.where(last, total, 0.0)
         c["z"] += jnp.where(last, z, 0.0)
         c["b_arriving"] = shift(dx, pp, -1, circular=vpp > 1)
 
-        def add(a, d):  # chunk `chunk` of the accumulated gradients [vpp Lv, ...] += d [Lv, ...]
-            size = a.shape[0] // vpp
-            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
-            return jax.lax.dynamic_update_slice_in_dim(a, old + d.astype(jnp.float32), chunk * size, 0)
-
-        return jax.tree.map(add, d_layers, d_block), dx
+        return jax.tree.map(add_at_chunk, d_layers, d_block), dx
 
     def tick_fn(do_forward, do_backward):
         def stage(layers, rest, carry, d_layers, first, rows, batch, weight, moe_weight):  # inside shard_map

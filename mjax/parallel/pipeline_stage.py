@@ -77,10 +77,17 @@ def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bo
     return jax.tree.map(lambda a: jnp.zeros((pp, *a.shape), jnp.float32), sums)
 
 
-def stored_order_sums(sums: dict, pp: int) -> dict:
-    """The per-device MoE sums [pp, ...] of a vpp = 1 pipeline -> the step's sums: per-layer counts [pp, L/pp, E] in
-    the stacked (stored) layer order [L, E], scalars summed over the devices."""
-    return {k: v.reshape(-1, *v.shape[2:]) if v.ndim > 2 else v.sum(0) for k, v in sums.items()}
+def stored_order_sums(sums: dict, pp: int, vpp: int = 1) -> dict:
+    """The per-device MoE sums [pp, ...] -> the step's sums: per-layer counts [pp, L/pp, E] (each device's layers in
+    the order it runs them: chunk c = virtual stage c pp + s) in the stacked (stored) layer order [L, E], scalars
+    summed over the devices."""
+    def one(v):
+        if v.ndim <= 2:
+            return v.sum(0)
+        chunks = v.reshape(pp, vpp, v.shape[1] // vpp, *v.shape[2:])  # [pp, vpp, Lv, E]
+        return jnp.swapaxes(chunks, 0, 1).reshape(-1, *v.shape[2:])  # virtual stage c pp + s -> [L, E]
+
+    return {k: one(v) for k, v in sums.items()}
 
 
 def head(model, token_loss, rest: dict, y, micro: dict):

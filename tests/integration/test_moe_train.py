@@ -32,6 +32,7 @@ LAYOUTS = {
     "dp2_fsdp2": (dict(dp=2, fsdp=2), 1, SIGMOID),
     "pp2_1f1b_dp2": (dict(pp=2, dp=2, pipeline_schedule="1f1b"), 2, MOE_ONLY),
     "pp2_gpipe_tp2": (dict(pp=2, tp=2, pipeline_schedule="gpipe"), 4, MOE_ONLY),
+    "pp2_vpp2_dp2_interleaved_1f1b": (dict(pp=2, vpp=2, dp=2), 2, dict(MOE_ONLY, num_layers=4)),
 }
 
 
