@@ -263,9 +263,11 @@ def validate_quantization(cfg: Config) -> None:
                 f"of the {m.num_layers} layers quantized (and neither may be negative)")
         if cfg.parallel.pp > 1:
             raise ConfigError("--first_last_layers_bf16 is not supported with --pp > 1 yet")
-    if pr.fp8_recipe is not None and cfg.parallel.pp > 1:
-        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with --pp={cfg.parallel.pp} is not supported yet: the "
-                          "pipeline stages do not carry the FP8 scaling state; drop one of them")
+    schedule = pipeline_schedule(cfg.parallel)
+    if pr.fp8_recipe is not None and cfg.parallel.pp > 1 and schedule not in ("1f1b", "interleaved_1f1b"):
+        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with --pp={cfg.parallel.pp} runs under "
+                          f"--pipeline_schedule=1f1b or interleaved_1f1b (their backward slots take each layer's "
+                          f"amax), not {schedule}")
     if (pr.quantize_output_layer and cfg.execution.cross_entropy_impl == "fused"
             and pr.fp8_recipe not in ("delayed", "tensorwise")):
         raise ConfigError(f"--quantize_output_layer with --cross_entropy_impl=fused quantizes with per-tensor FP8 "

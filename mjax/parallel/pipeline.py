@@ -49,17 +49,23 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
     return (pp - 1) / (num_micro + pp - 1)
 
 
-def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool, moe_weight=0.0):
+def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool, moe_weight=0.0,
+                   fp8=None):
     """The pipelined counterpart of train/step.py's accumulation scan: the gradients of weight x the summed loss of
     the micro-batches in `batch` (arrays [M, B, T]) plus moe_weight x the MoE layers' objective terms. token_loss(
-    module, h, micro) -> (loss sum, z sum) of one micro-batch from its final hidden states h [B, T, D]. Returns
-    (grads, loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
+    module, h, micro) -> (loss sum, z sum) of one micro-batch from its final hidden states h [B, T, D]. fp8: the FP8
+    scales (TrainState.fp8.scales; the 1F1B schedules only). Returns (grads, the FP8 amaxes observed ({} without),
+    loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
     if pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
-        grads, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(model, token_loss, use_segments, pp, vpp, stacks,
-                                                                      rest, batch, weight, moe_weight)
+        grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(
+            model, token_loss, use_segments, pp, vpp, stacks, rest, batch, weight, moe_weight, split_params(fp8 or {}))
     else:
+        if fp8:
+            raise ValueError(f"FP8 layers under --pipeline_schedule={pipeline_schedule(pcfg)}: use 1f1b or "
+                             "interleaved_1f1b, whose explicit backward slots take each layer's amax")
+
         def loss(stacks, rest):
             outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch)
             value, (loss_sum, z_sum) = head_loss(model, token_loss, rest, outputs, batch, weight, pp)
@@ -67,9 +73,9 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
 
         (d_stacks, d_rest), (loss_sum, z_sum, busy, moe_sums) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
             stacks, rest)
-        grads = {**d_rest, **d_stacks}
+        grads, amaxes = {**d_rest, **d_stacks}, {}
         bubble = 1.0 - busy / ((vpp * num + pp - 1) * pp)  # ticks; the backward mirrors them
-    return grads, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp, vpp)
+    return grads, amaxes, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp, vpp)
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):

@@ -23,26 +23,28 @@ from mjax.parallel.pipeline_stage import (AXIS, embed, head, manual, micro_at, m
 from mjax.parallel.pipeline_tables import one_f_one_b
 
 
-def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, moe_weight=0.0):
+def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, moe_weight=0.0, fp8=({}, {})):
     """Gradients of weight x the summed loss of the micro-batches in `batch` ([M, B, T] arrays) plus moe_weight x the
     MoE layers' objective terms. layers: the stacked layers {"layers": [L, ...], "moe_layers": ...} (sharded over
-    `pipeline` in stored order); rest: the other params. Returns (grads, loss sum, z sum, the counted bubble, the MoE
+    `pipeline` in stored order); rest: the other params; fp8: the FP8 scales of both ({} without FP8 layers).
+    Returns (grads, the FP8 amaxes observed (max over micro-batches), loss sum, z sum, the counted bubble, the MoE
     sums per device [pp, ...] in the order each device runs its layers ({} without MoE layers))."""
     num = batch["inputs"].shape[0]
     tables = one_f_one_b(pp, vpp, num)
-    chunked, to_stored = layers, None
-    if vpp > 1:  # the interleaved placement; its vjp takes the gradients back to the stored order
-        chunked, to_stored = jax.vjp(manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS)), layers)
+    fp8_layers, fp8_rest = fp8
+    chunked, to_stored = (layers, fp8_layers), None
+    if vpp > 1:  # the interleaved placement; its vjp takes the gradients (and amaxes) back to the stored order
+        chunked, to_stored = jax.vjp(manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS)), chunked)
     table = {k: jnp.asarray(getattr(tables, k)) for k in (
         "f_chunk", "f_micro", "f_input", "f_stash", "b_chunk", "b_micro", "b_input", "b_stash", "f_arrive",
         "b_arrive")}  # [ticks, pp]
-    x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
+    x = jax.eval_shape(lambda r, f, b: embed(model, r, micro_at(b, 0), f), rest, fp8_rest, batch)  # [B, T, D]
     f32 = lambda tree, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree)  # noqa: E731
     carry = {"f_arriving": per_stage_zeros(pp, x), "b_arriving": per_stage_zeros(pp, x),  # [pp, B, T, D]
              "received": per_stage_zeros(pp, x, tables.received), "grads": per_stage_zeros(pp, x, tables.grads),
              "stash": per_stage_zeros(pp, x, tables.stash),  # [pp, slots, B, T, D]
-             "d_head": f32(rest, pp), "loss": jnp.zeros((pp,)), "z": jnp.zeros((pp,)),
-             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments)}
+             "d_head": f32(rest, pp), "amax_head": f32(fp8_rest, pp), "loss": jnp.zeros((pp,)), "z": jnp.zeros((pp,)),
+             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, fp8_layers)}
 
     def chunk_of(tree, c):  # this device's layers [vpp Lv, ...] -> chunk c's [Lv, ...]
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * (a.shape[0] // vpp), a.shape[0] // vpp),
@@ -54,16 +56,17 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
             i = jnp.maximum(slot, 0)
             c[buffer] = c[buffer].at[i].set(jnp.where(slot >= 0, c[arriving], c[buffer][i]))
 
-    def forward(s, c, layers, first, row, batch):
+    def forward(s, c, stacks, first, row, batch):
         chunk, valid = jnp.maximum(row["f_chunk"], 0), row["f_chunk"] >= 0
         micro = micro_at(batch, jnp.maximum(row["f_micro"], 0))
         x = jnp.where(row["f_input"] >= 0, c["received"][jnp.maximum(row["f_input"], 0)], first)
         slot = jnp.maximum(row["f_stash"], 0)
         c["stash"] = c["stash"].at[slot].set(jnp.where(valid, x, c["stash"][slot]))
-        c["f_arriving"] = shift(run_layers(model, chunk_of(layers, chunk), x, micro, use_segments)[0], pp, +1,
-                            circular=vpp > 1)
+        layers, scales = chunk_of(stacks, chunk)
+        c["f_arriving"] = shift(run_layers(model, layers, x, micro, use_segments, scales)[0], pp, +1,
+                                circular=vpp > 1)
 
-    def backward(s, c, d_layers, layers, rest, row, batch, weight, moe_weight):
+    def backward(s, c, d_stacks, stacks, rest, fp8_rest, row, batch, weight, moe_weight):
         chunk, valid = jnp.maximum(row["b_chunk"], 0), row["b_chunk"] >= 0
         last = valid & (s == pp - 1) & (chunk == vpp - 1)
         micro = micro_at(batch, jnp.maximum(row["b_micro"], 0))
@@ -73,17 +76,24 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
             old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
             return jax.lax.dynamic_update_slice_in_dim(a, old + d.astype(jnp.float32), chunk * size, 0)
 
-        def stage_fn(l, x):  # ((y, MoE objective terms), MoE sums)
-            y, obj, sums = run_layers(model, l, x, micro, use_segments)
+        def max_at_chunk(a, d):  # the amaxes of chunk `chunk`: a [vpp Lv, ...] = max(a, d [Lv, ...]) there
+            size = a.shape[0] // vpp
+            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
+            return jax.lax.dynamic_update_slice_in_dim(a, jnp.maximum(old, d.astype(jnp.float32)), chunk * size, 0)
+
+        def stage_fn(stack, x):  # ((y, MoE objective terms), MoE sums); the scales' cotangent is their amax
+            y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1])
             return (y, obj), sums
 
-        (y, obj), stage_vjp, sums = jax.vjp(stage_fn, chunk_of(layers, chunk),
+        (y, obj), stage_vjp, sums = jax.vjp(stage_fn, chunk_of(stacks, chunk),
                                             c["stash"][jnp.maximum(row["b_stash"], 0)], has_aux=True)
-        total, head_vjp, z = jax.vjp(lambda r, y: head(model, token_loss, r, y, micro), rest, y, has_aux=True)
-        d_rest, dy = head_vjp(jnp.where(last, weight, 0.0).astype(total.dtype))
+        total, head_vjp, z = jax.vjp(lambda r, f, y: head(model, token_loss, r, y, micro, f), rest, fp8_rest, y,
+                                     has_aux=True)
+        d_rest, amax_rest, dy = head_vjp(jnp.where(last, weight, 0.0).astype(total.dtype))
+        c["amax_head"] = jax.tree.map(lambda a, d: jnp.maximum(a, jnp.where(last, d, 0.0)), c["amax_head"], amax_rest)
         received = c["grads"][jnp.maximum(row["b_input"], 0)]
         dy = jnp.where(valid, jnp.where(last, dy, received), 0.0).astype(y.dtype)
-        d_block, dx = stage_vjp((dy, jnp.where(valid, moe_weight, 0.0).astype(obj.dtype)))
+        (d_block, amax_block), dx = stage_vjp((dy, jnp.where(valid, moe_weight, 0.0).astype(obj.dtype)))
         c["moe_sums"] = jax.tree.map(lambda a, b: add_at_chunk(a, jnp.where(valid, b, 0.0)) if a.ndim > 1
                                      else a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
         c["d_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["d_head"], d_rest)
@@ -91,45 +101,49 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
         c["z"] += jnp.where(last, z, 0.0)
         c["b_arriving"] = shift(dx, pp, -1, circular=vpp > 1)
 
-        return jax.tree.map(add_at_chunk, d_layers, d_block), dx
+        d_layers, amaxes = d_stacks
+        amax_block = jax.tree.map(lambda d: jnp.where(valid, d, 0.0), amax_block)  # idle slots observe nothing
+        return (jax.tree.map(add_at_chunk, d_layers, d_block), jax.tree.map(max_at_chunk, amaxes, amax_block)), dx
 
     def tick_fn(do_forward, do_backward):
-        def stage(layers, rest, carry, d_layers, first, rows, batch, weight, moe_weight):  # inside shard_map
+        def stage(stacks, rest, fp8_rest, carry, d_stacks, first, rows, batch, weight, moe_weight):  # in shard_map
             s = jax.lax.axis_index(AXIS)
             c, row = jax.tree.map(lambda a: a[0], carry), jax.tree.map(lambda a: a[s], rows)
             arrive(c, row)
             dx = jnp.zeros_like(c["f_arriving"])
             if do_forward:
-                forward(s, c, layers, first, row, batch)
+                forward(s, c, stacks, first, row, batch)
             if do_backward:
-                d_layers, dx = backward(s, c, d_layers, layers, rest, row, batch, weight, moe_weight)
-            return jax.tree.map(lambda a: a[None], c), d_layers, dx[None]
+                d_stacks, dx = backward(s, c, d_stacks, stacks, rest, fp8_rest, row, batch, weight, moe_weight)
+            return jax.tree.map(lambda a: a[None], c), d_stacks, dx[None]
 
-        run_stage = manual(stage, (P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P(), P(), P()), (P(AXIS),) * 3)
+        run_stage = manual(stage, (P(AXIS), P(), P(), P(AXIS), P(AXIS), P(), P(), P(), P(), P()), (P(AXIS),) * 3)
 
         def tick(state, t):
-            carry, d_layers, d_embed = state
+            carry, d_stacks, d_embed = state
             rows = jax.tree.map(lambda a: a[t], table)  # [pp] each
-            first = (embed(model, rest, micro_at(batch, jnp.maximum(rows["f_micro"][0], 0))) if do_forward
+            first = (embed(model, rest, micro_at(batch, jnp.maximum(rows["f_micro"][0], 0)), fp8_rest) if do_forward
                      else jnp.zeros(x.shape, x.dtype))  # device 0's input when it runs chunk 0
-            carry, d_layers, dx = run_stage(chunked, rest, carry, d_layers, first, rows, batch, weight,
+            carry, d_stacks, dx = run_stage(chunked, rest, fp8_rest, carry, d_stacks, first, rows, batch, weight,
                                             jnp.asarray(moe_weight, jnp.float32))
             if do_backward:  # device 0's input gradient of chunk 0 flows into the embedding lookup
                 into = (rows["b_chunk"][0] == 0).astype(dx.dtype)
                 micro = micro_at(batch, jnp.maximum(rows["b_micro"][0], 0))
-                _, embed_vjp = jax.vjp(lambda r: embed(model, r, micro), rest)
+                _, embed_vjp = jax.vjp(lambda r: embed(model, r, micro, fp8_rest), rest)
                 d_embed = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_embed, embed_vjp(dx[0] * into)[0])
-            return (carry, d_layers, d_embed), None
+            return (carry, d_stacks, d_embed), None
 
         return tick
 
     state = (carry, f32(chunked), f32(rest))
     for do_forward, do_backward, start, stop in tables.phases():
         state, _ = jax.lax.scan(tick_fn(do_forward, do_backward), state, jnp.arange(start, stop))
-    carry, d_layers, d_embed = state
-    if to_stored is not None:
-        (d_layers,) = to_stored(jax.tree.map(lambda g, p: g.astype(p.dtype), d_layers, chunked))
-        d_layers = jax.tree.map(lambda g: g.astype(jnp.float32), d_layers)
+    carry, d_stacks, d_embed = state
+    if to_stored is not None:  # a permutation of the layers: as right for the amaxes as for the gradients
+        (d_stacks,) = to_stored(jax.tree.map(lambda g, p: g.astype(p.dtype), d_stacks, chunked))
+        d_stacks = jax.tree.map(lambda g: g.astype(jnp.float32), d_stacks)
+    d_layers, amax_layers = d_stacks
     d_rest = jax.tree.map(lambda h, e: h.sum(0) + e, carry["d_head"], d_embed)
-    return ({**d_rest, **d_layers}, jnp.sum(carry["loss"]), jnp.sum(carry["z"]), tables.bubble(),
+    amaxes = {**jax.tree.map(lambda a: a.max(0), carry["amax_head"]), **amax_layers}
+    return ({**d_rest, **d_layers}, amaxes, jnp.sum(carry["loss"]), jnp.sum(carry["z"]), tables.bubble(),
             carry["moe_sums"])

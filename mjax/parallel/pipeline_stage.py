@@ -53,16 +53,18 @@ def split_params(params: dict) -> tuple[dict, dict]:
     return stacks, {k: v for k, v in params.items() if k not in STACKS}
 
 
-def embed(model, rest: dict, micro: dict):
-    """Token ids [B, T] -> the first stage's input [B, T, D]. `rest` holds the params other than the layers."""
-    return model.bind(rest).embed_tokens(micro["inputs"], positions(micro))
+def embed(model, rest: dict, micro: dict, fp8=None):
+    """Token ids [B, T] -> the first stage's input [B, T, D]. `rest` holds the params other than the layers, `fp8`
+    their FP8 scales (with FP8 layers)."""
+    return model.bind(rest, fp8).embed_tokens(micro["inputs"], positions(micro))
 
 
-def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool):
-    """A slice of the stacked layers (leading dims = their layer counts) over x [B, T, D] -> (y [B, T, D], the MoE
-    objective terms of these layers (0 without MoE layers), their MoE step sums ({} without))."""
+def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool, fp8=None):
+    """A slice of the stacked layers (leading dims = their layer counts; `fp8` the same slice of their FP8 scales)
+    over x [B, T, D] -> (y [B, T, D], the MoE objective terms of these layers (0 without MoE layers), their MoE step
+    sums ({} without))."""
     segments = micro.get("segment_ids") if use_segments else None
-    y, stats, _ = model.bind(stacks).run_layers(x, positions(micro), segments)
+    y, stats, _ = model.bind(stacks, fp8).run_layers(x, positions(micro), segments)
     if not stats:
         return y, jnp.zeros((), jnp.float32), {}
     counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)  # global_aux_loss: not with pp > 1
@@ -70,10 +72,11 @@ def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool):
     return y, terms.astype(jnp.float32), sums
 
 
-def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool):
-    """Zeros [pp, ...] shaped as one device's run_layers MoE step sums (its 1 / pp of each stack), or {}."""
-    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // pp, *a.shape[1:]), a.dtype), stacks)
-    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s, x, m, use_segments)[2], local, x, micro)
+def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool, fp8=None):
+    """Zeros [pp, ...] shaped as one device's run_layers MoE step sums (its 1 / pp of each stack), or {}. fp8: the
+    stacks' FP8 scales, with FP8 layers."""
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // pp, *a.shape[1:]), a.dtype), (stacks, fp8))
+    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s[0], x, m, use_segments, s[1])[2], local, x, micro)
     return jax.tree.map(lambda a: jnp.zeros((pp, *a.shape), jnp.float32), sums)
 
 
@@ -90,9 +93,9 @@ def stored_order_sums(sums: dict, pp: int, vpp: int = 1) -> dict:
     return {k: one(v) for k, v in sums.items()}
 
 
-def head(model, token_loss, rest: dict, y, micro: dict):
+def head(model, token_loss, rest: dict, y, micro: dict, fp8=None):
     """The last layer's output [B, T, D] -> (loss sum, z sum) of the micro-batch."""
-    module = model.bind(rest)
+    module = model.bind(rest, fp8)
     return token_loss(module, module.final_norm(y), micro)
 
 

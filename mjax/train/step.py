@@ -97,8 +97,9 @@ def make_train_step(model, cfg, tx, schedule):
 
         pipeline_metrics = {}
         if cfg.parallel.pp > 1:  # the micro-batches stream through pipeline stages instead
-            grads, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
-                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments, scale / num_micro)
+            grads, amaxes, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
+                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments, scale / num_micro,
+                fp8_scales)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             counts, moe_sums = moe_zeros()

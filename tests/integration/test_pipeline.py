@@ -20,6 +20,7 @@ from mjax.parallel.pipeline_tables import one_f_one_b
 from mjax.parallel.rules import batch_sharding, logical_rules
 from mjax.train.loop import build
 from mjax.train.step import make_eval_step, make_train_step
+from tests.helpers.lockstep import assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
 # Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
@@ -240,13 +241,34 @@ def test_interleaved_chunks_hold_megatrons_layers(pp, vpp):
     (dict(vpp=2, pipeline_schedule="interleaved"), {}, "--vpp=2 needs --pp > 1"),
     (dict(pp=2, pipeline_schedule="zb"), {}, "--pipeline_schedule='zb' is not one of"),
     (dict(pp=4), dict(train=dict(micro_batch_size=4)), "2 micro-batch.*fewer than the --pp=4 pipeline stages"),
-    (dict(pp=2), dict(precision=dict(fp8_recipe="tensorwise")), "--fp8_recipe=tensorwise with --pp=2"),
+    (dict(pp=2, pipeline_schedule="gpipe"), dict(precision=dict(fp8_recipe="tensorwise")),
+     "--fp8_recipe=tensorwise with --pp=2 runs under --pipeline_schedule=1f1b or interleaved_1f1b"),
 ])
 def test_pipeline_config_errors(parallel, sections, message):
     devices = 6 if parallel.get("pp") == 3 else 8
     cfg = tiny_config(model=dict(num_layers=4), parallel=parallel)
     with pytest.raises(ConfigError, match=message):
         validate_layout(cfg.replace(**sections), devices)
+
+
+@pytest.mark.parametrize("parallel", [dict(pp=2, tp=2), dict(pp=2, vpp=2, tp=2)], ids=["1f1b", "interleaved_1f1b"])
+def test_fp8_delayed_stages_take_the_single_device_steps(parallel):
+    """FP8 delayed scaling inside the stages: each layer's scales reach its stage, the amaxes it observes come back
+    (max over micro-batches, nothing from idle slots) and move the scaling state as on one device. Two steps in
+    lockstep from the single-device state (tests/helpers/lockstep.py), within the FP8 noise floor of
+    test_fp8_train.py's layout comparisons; the weights' amaxes exactly."""
+    def cfg(p):
+        return tiny_config(model=dict(num_layers=4), parallel=p, train=dict(train_iters=2, micro_batch_size=2),
+                           precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
+
+    steps = lockstep(cfg({}), cfg(parallel), jax.devices()[:1], jax.devices(), compiler_options=FAST_COMPILE)
+    assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
+    for i, step in enumerate(steps, 1):
+        assert step.want_amax and set(step.got_amax) == set(step.want_amax)
+        for layer, want in step.want_amax.items():  # [..., (x, w, grad)]
+            got = step.got_amax[layer]
+            np.testing.assert_array_equal(got[..., 1], want[..., 1], err_msg=layer)
+            np.testing.assert_allclose(got[..., ::2], want[..., ::2], rtol=0.25, err_msg=f"{layer}, step {i}")
 
 
 def test_fused_cross_entropy_on_the_last_stage_matches_single_device(single_device):
