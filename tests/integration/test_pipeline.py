@@ -251,15 +251,17 @@ def test_pipeline_config_errors(parallel, sections, message):
         validate_layout(cfg.replace(**sections), devices)
 
 
-@pytest.mark.parametrize("parallel", [dict(pp=2, tp=2), dict(pp=2, vpp=2, tp=2)], ids=["1f1b", "interleaved_1f1b"])
-def test_fp8_delayed_stages_take_the_single_device_steps(parallel):
-    """FP8 delayed scaling inside the stages: each layer's scales reach its stage, the amaxes it observes come back
-    (max over micro-batches, nothing from idle slots) and move the scaling state as on one device. Two steps in
-    lockstep from the single-device state (tests/helpers/lockstep.py), within the FP8 noise floor of
-    test_fp8_train.py's layout comparisons; the weights' amaxes exactly."""
+@pytest.mark.parametrize("parallel, recipe", [(dict(pp=2, tp=2), "delayed"), (dict(pp=2, vpp=2, tp=2), "delayed"),
+                                              (dict(pp=2, tp=2), "tensorwise")],
+                         ids=["1f1b_delayed", "interleaved_1f1b_delayed", "1f1b_tensorwise"])
+def test_fp8_stages_take_the_single_device_steps(parallel, recipe):
+    """FP8 inside the stages: each layer's scales reach its stage, the amaxes it observes come back (max over
+    micro-batches, nothing from idle slots) and move the scaling state as on one device. Two steps in lockstep from
+    the single-device state (tests/helpers/lockstep.py), within the FP8 noise floor of test_fp8_train.py's layout
+    comparisons; the weights' amaxes exactly."""
     def cfg(p):
         return tiny_config(model=dict(num_layers=4), parallel=p, train=dict(train_iters=2, micro_batch_size=2),
-                           precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
+                           precision=dict(compute_dtype="bfloat16", fp8_recipe=recipe, fp8_amax_history_len=4))
 
     steps = lockstep(cfg({}), cfg(parallel), jax.devices()[:1], jax.devices(), compiler_options=FAST_COMPILE)
     assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
