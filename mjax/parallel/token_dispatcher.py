@@ -216,36 +216,21 @@ def _return(how, blocks, route):
                                      route["remote_offset"], route["send"], axis_name=axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dispatch(how, rows, route):
-    return _send(how, rows, route)
+def _linear_pair(forward, transpose):
+    """forward(how, x, route) as a custom_vjp whose backward is `transpose` (the exchange the other way)."""
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def run(how, x, route):
+        return forward(how, x, route)
+
+    def bwd(how, route, dy):
+        return transpose(how, dy, route), jax.tree.map(lambda _: None, route)
+
+    run.defvjp(lambda how, x, route: (forward(how, x, route), route), bwd)
+    return run
 
 
-def _dispatch_fwd(how, rows, route):
-    return _send(how, rows, route), route
-
-
-def _dispatch_bwd(how, route, d_blocks):
-    return _return(how, d_blocks, route), jax.tree.map(lambda _: None, route)
-
-
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _combine(how, blocks, route):
-    return _return(how, blocks, route)
-
-
-def _combine_fwd(how, blocks, route):
-    return _return(how, blocks, route), route
-
-
-def _combine_bwd(how, route, d_rows):
-    return _send(how, d_rows, route), jax.tree.map(lambda _: None, route)
-
-
-_combine.defvjp(_combine_fwd, _combine_bwd)
+_dispatch = _linear_pair(_send, _return)  # rows [R, D] -> blocks [ep, R, D]
+_combine = _linear_pair(_return, _send)  # blocks [ep, R, D] -> rows [R, D]
 
 
 def _expert_order(counts, block: int):
