@@ -252,15 +252,20 @@ def test_pipeline_config_errors(parallel, sections, message):
 
 
 @pytest.mark.parametrize("parallel, recipe", [(dict(pp=2, tp=2), "delayed"), (dict(pp=2, vpp=2, tp=2), "delayed"),
-                                              (dict(pp=2, tp=2), "tensorwise")],
-                         ids=["1f1b_delayed", "interleaved_1f1b_delayed", "1f1b_tensorwise"])
+                                              (dict(pp=2, tp=2), "tensorwise"), (dict(pp=2, tp=2), "blockwise")],
+                         ids=["1f1b_delayed", "interleaved_1f1b_delayed", "1f1b_tensorwise", "1f1b_blockwise"])
 def test_fp8_stages_take_the_single_device_steps(parallel, recipe):
     """FP8 inside the stages: each layer's scales reach its stage, the amaxes it observes come back (max over
     micro-batches, nothing from idle slots) and move the scaling state as on one device. Two steps in lockstep from
     the single-device state (tests/helpers/lockstep.py), within the FP8 noise floor of test_fp8_train.py's layout
     comparisons; the weights' amaxes exactly."""
+    # Blockwise GEMMs need sizes that are multiples of 128: hidden 128, 2 heads (and KV groups) of 64, 128 tokens.
+    model = (dict(hidden_size=128, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=256)
+             if recipe == "blockwise" else {})
+
     def cfg(p):
-        return tiny_config(model=dict(num_layers=4), parallel=p, train=dict(train_iters=2, micro_batch_size=2),
+        return tiny_config(model=dict(num_layers=4, **model), parallel=p,
+                           train=dict(train_iters=2, micro_batch_size=2, seq_length=64 if model else 32),
                            precision=dict(compute_dtype="bfloat16", fp8_recipe=recipe, fp8_amax_history_len=4))
 
     steps = lockstep(cfg({}), cfg(parallel), jax.devices()[:1], jax.devices(), compiler_options=FAST_COMPILE)
