@@ -86,10 +86,11 @@ def test_expert_parallel_layout_matches_single_device(layout):
     assert kernel.addressable_shards[0].data.shape[1] == MOE["num_experts"] // ranks  # created split, never whole
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_capacity_is_per_rank_as_under_data_parallelism(pad):
-    """With a capacity the dropped tokens depend on the dispatch group: each rank's tokens, the same groups as dp8."""
-    model = dict(MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=pad)
+def test_capacity_is_per_rank_as_under_data_parallelism():
+    """With a capacity the dropped tokens depend on the dispatch group: each rank's tokens, the same groups as dp8.
+    Padded to capacity: every expert's rows are sent, its kept ones and its padding, so the exchange moves fixed
+    blocks of E/ep x capacity rows, dropped assignments included in the count."""
+    model = dict(MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     ref_history, ref_params, _ = _run(dict(dp=8), model)
     history, params, _ = _run(dict(ep=4, dp=2), model)
     assert all(r["moe_dropped_fraction"] > 0 for r in history)  # the capacity really drops tokens here
