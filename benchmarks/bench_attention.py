@@ -20,7 +20,9 @@ import dataclasses
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import BadInput, run_main
 
 from mjax.xla_flags import apply_defaults
 
@@ -218,16 +220,16 @@ def parse_seqs(values):
     except ValueError:
         seqs = []
     if not seqs or min(seqs) < 2:
-        raise app.UsageError(f"--seqs={','.join(values)}: expected comma-separated sequence lengths >= 2")
+        raise BadInput(f"--seqs={','.join(values)}: expected comma-separated sequence lengths >= 2")
     return seqs
 
 
-def main(_):
+def main():
     seqs = parse_seqs(FLAGS.seqs)
     if FLAGS.tokens < 1 or FLAGS.min_time_s <= 0:
-        raise app.UsageError(f"--tokens={FLAGS.tokens} must be >= 1 and --min_time_s={FLAGS.min_time_s} > 0")
+        raise BadInput(f"--tokens={FLAGS.tokens} must be >= 1 and --min_time_s={FLAGS.min_time_s} > 0")
     if jax.default_backend() != "gpu" and not FLAGS.smoke:
-        raise app.UsageError(f"no GPU (JAX backend {jax.default_backend()}): the kernels would run interpreted at "
+        raise BadInput(f"no GPU (JAX backend {jax.default_backend()}): the kernels would run interpreted at "
                              "full size for hours; pass --smoke to check the script at toy sizes")
     if FLAGS.smoke:
         heads, (tune_t, tune_b) = SMOKE["heads"], SMOKE["tune"]
@@ -278,4 +280,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

@@ -18,7 +18,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import run_main
 
 from mjax.train.loop import checkpointer
 from mjax.config import load_config
@@ -45,9 +47,7 @@ def _dir_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main():
     root = FLAGS.dir or tempfile.mkdtemp(prefix="mjax_bench_ckpt_")
     cfg = load_config(FLAGS.config).replace(
         execution=dict(remat_policy=FLAGS.remat_policy),
@@ -143,4 +143,4 @@ def _table(r) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

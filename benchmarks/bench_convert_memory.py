@@ -22,7 +22,9 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import run_main
 
 from mjax.convert.safetensors_io import SafetensorsWriter
 
@@ -88,8 +90,7 @@ def convert(direction: str, src: Path, dst: Path, *extra: str) -> tuple[float, f
     return elapsed, rss
 
 
-def main(argv):
-    del argv
+def main():
     work = Path(FLAGS.workdir)
     shutil.rmtree(work, ignore_errors=True)
     config = dict(LLAMA3_8B, num_hidden_layers=FLAGS.num_layers)
@@ -113,4 +114,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

@@ -20,11 +20,12 @@ import gzip
 import json
 import os
 import re
-import sys
 import time
 import traceback
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import BadInput, run_main
 
 from mjax.xla_flags import apply_defaults
 
@@ -337,9 +338,7 @@ def e2e_section(results, save) -> dict:
     return out
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main():
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     results = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
                "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -363,7 +362,7 @@ def main(argv):
     chosen = FLAGS.sections
     unknown = set(chosen) - {name for name, _ in sections}
     if unknown:
-        raise app.UsageError(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(n for n, _ in sections)}")
+        raise BadInput(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(n for n, _ in sections)}")
     for name, fn in sections:
         if name not in chosen:
             continue
@@ -380,4 +379,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

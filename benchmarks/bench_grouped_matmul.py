@@ -25,7 +25,9 @@ import functools
 import json
 import os
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import BadInput, run_main
 
 from mjax.xla_flags import apply_defaults
 
@@ -349,11 +351,11 @@ def check_rows(shape, dists):
 def parse_shapes(text):
     shapes = [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
     if not shapes or any(len(s) != 4 for s in shapes):
-        raise app.UsageError(f"--shapes={text!r}: expected GROUPSxROWSxNxK[,...]")
+        raise BadInput(f"--shapes={text!r}: expected GROUPSxROWSxNxK[,...]")
     return shapes
 
 
-def main(_):
+def main():
     shapes = [(4, 40, 64, 32), (3, 24, 32, 64)] if FLAGS.smoke else parse_shapes(FLAGS.shapes)
     for dist in FLAGS.dists:
         group_sizes(dist, 8, 16)  # unknown names fail before anything is compiled
@@ -397,4 +399,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

@@ -8,7 +8,9 @@ copy of the same bytes as the ceiling, measured in the same run. Default shapes:
 import json
 import os
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import run_main
 
 from mjax.xla_flags import apply_defaults
 
@@ -27,7 +29,7 @@ flags.DEFINE_string("out", "", "Write the rows as JSON here.")
 FLAGS = flags.FLAGS
 
 
-def main(_):
+def main():
     b, t, k, g, h = (1, 256, 2, 3, 64) if FLAGS.smoke else (8, 4096, 8, 3, 128)
     interpret = jax.default_backend() != "gpu"
     key = jax.random.split(jax.random.key(0), 2)
@@ -56,4 +58,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run_main(main)

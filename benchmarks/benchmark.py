@@ -14,9 +14,10 @@ import itertools
 import json
 import logging
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import run_main
 
 from mjax.config import ConfigError
 from mjax.config.flags import config_from_flags, define_config_flags
@@ -104,8 +105,7 @@ def _failed(name, error):
     return Result(name, nan, nan, nan, None, nan, nan, nan, nan, error=str(error).splitlines()[0])
 
 
-def main(argv):
-    del argv
+def main():
     setup_logging()
     import jax  # noqa: PLC0415
 
@@ -152,4 +152,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    run_main(main)

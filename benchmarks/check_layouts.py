@@ -9,11 +9,12 @@ about numbers, not speed).
 
 import json
 import os
-import sys
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import BadInput, run_main
 
 from mjax.xla_flags import apply_defaults
 
@@ -44,7 +45,7 @@ def chosen_layouts(n: int, names: list[str] | None) -> dict:
     unknown = [name for name in names if name not in every]
     if unknown or not names:
         what = f"unknown {unknown}" if unknown else "no layout named"
-        raise app.UsageError(f"--layouts={','.join(names)}: {what}; on {n} devices choose from {', '.join(every)}")
+        raise BadInput(f"--layouts={','.join(names)}: {what}; on {n} devices choose from {', '.join(every)}")
     return {name: parallel for name, parallel in every.items() if name in names}
 
 
@@ -63,15 +64,14 @@ def step_losses(cfg, devices, steps: int) -> list[float]:
     return losses
 
 
-def main(argv):
-    del argv
+def main():
     jax.config.update("jax_default_matmul_precision", "highest")
     from mjax.config import load_config  # noqa: PLC0415
     from mjax.logging_setup import setup_logging  # noqa: PLC0415
 
     setup_logging()
     if FLAGS.seq_length < 2 or FLAGS.seq_length % 2:
-        raise app.UsageError(f"--seq_length={FLAGS.seq_length}: expected an even length >= 2")
+        raise BadInput(f"--seq_length={FLAGS.seq_length}: expected an even length >= 2")
     n = jax.device_count()
     chosen = chosen_layouts(n, FLAGS.layouts)
     base = load_config("tiny").replace(
@@ -104,4 +104,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    run_main(main)

@@ -11,9 +11,10 @@ difference from the first recipe (bf16), then writes the same as JSON (--out).
 
 import json
 import logging
-import sys
 
-from absl import app, flags
+from absl import flags
+
+from benchmarks.cli import run_main
 
 from mjax.config import ConfigError
 from mjax.config.flags import config_from_flags, define_config_flags
@@ -55,9 +56,7 @@ def windows(losses: list[float], size: int) -> list[float]:
     return [sum(losses[i * size:(i + 1) * size]) / size for i in range(n)]
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def main():
     setup_logging()
     try:
         unknown = [r for r in FLAGS.recipes if r not in RECIPES]
@@ -100,4 +99,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    run_main(main)

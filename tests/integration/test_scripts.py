@@ -66,8 +66,11 @@ def test_layout_check_script_matches_one_device_on_the_layouts_asked_for(tmp_pat
     assert [r["layout"] for r in report["rows"]] == ["tp2 sp dp1", "pp2 dp1"]
     assert all(r["max_rel_diff"] < 1e-4 and len(r["losses"]) == 2 for r in report["rows"])
     assert len(report["reference"]) == 2 and "1 device" in out.stdout and "pp2 dp1" in out.stdout
-    bad = run("--layouts=dp2,pp3")
-    assert bad.returncode == 1 and "--layouts=dp2,pp3: unknown ['pp3']" in bad.stderr
+    bad = run("--layouts=dp2,pp3")  # bad input: one line, exit 2 (a failed comparison is exit 1)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("check_layouts: --layouts=dp2,pp3: "
+                                                                               "unknown ['pp3']"), bad.stderr[-2000:]
+    stray = run("dp2")
+    assert stray.returncode == 2 and "unexpected arguments: dp2" in stray.stderr
 
 
 def test_qkv_grad_bench_prints_the_kernel_next_to_its_ceiling(tmp_path):
