@@ -61,7 +61,8 @@ class Setup:
         """The logical-sharding context everything of this setup is traced under."""
         return logical_sharding(self.mesh, self.rules)
 
-    def init_state(self, seed: int) -> TrainState:
+    def init_state(self, seed: int, compiler_options=None) -> TrainState:
+        """A fresh state, made by a jitted init with the state's shardings; `compiler_options` as in compile_step."""
         key = jax.random.key(seed)
         init_key, rng = jax.random.split(key)
 
@@ -69,7 +70,8 @@ class Setup:
             return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision, self.model.init_fp8())
 
         with self.sharding():
-            return jax.jit(create, out_shardings=self.state_sharding)(init_key)
+            init = jax.jit(create, out_shardings=self.state_sharding).lower(init_key).compile(compiler_options)
+            return init(init_key)
 
     def state_from_params(self, params, rng) -> TrainState:
         """A train state around `params` with fresh optimizer (and FP8) state (--load_params_only)."""

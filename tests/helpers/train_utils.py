@@ -43,17 +43,18 @@ _initial_params = {}
 
 
 def initial_state(setup, seed=None):
-    """setup.init_state(seed) (default: the config's seed), its params initialised once per model and seed in this
-    process: compiling the init costs more than a tiny train step. The params depend on the model config and the
-    layer stack (scanned or not) only, not on the layout (partitionable RNG), the precision (quantization adds no
-    parameters) or the kernels; the rest of the state is built fresh, with the setup's optimizer."""
+    """setup.init_state(seed) (default: the config's seed), compiled like the tests' steps (FAST_COMPILE), its params
+    initialised once per model and seed in this process: compiling the init costs more than a tiny train step. The
+    params depend on the model config and the layer stack (scanned or not) only, not on the layout (partitionable
+    RNG), the precision (quantization adds no parameters) or the kernels; the rest of the state is built fresh, with
+    the setup's optimizer."""
     cfg = setup.cfg
     seed = cfg.train.seed if seed is None else seed
     abstract = setup.abstract_state.params
     key = (cfg.model, cfg.execution.scan_layers, seed, jax.tree.structure(abstract),
            tuple((a.shape, a.dtype) for a in jax.tree.leaves(abstract)))
     if key not in _initial_params:
-        state = setup.init_state(seed)
+        state = setup.init_state(seed, FAST_COMPILE)
         _initial_params[key] = jax.tree.map(np.array, state.params)  # host copies, apart from donated buffers
         return state
     _, rng = jax.random.split(jax.random.key(seed))  # as Setup.init_state splits it
