@@ -192,6 +192,9 @@ def validate_expert_parallel(cfg: Config) -> None:
         if m.moe_expert_capacity_factor is not None:
             raise ConfigError("--moe_expert_capacity_factor with --expert_tensor_parallel_size=1 and --tp > 1 is not "
                               "supported (the capacity is per batch shard); unset one of them")
+    if p.moe_token_dispatcher_type == "allgather" and cfg.execution.moe_alltoall_impl != "auto":
+        raise ConfigError(f"--moe_alltoall_impl={cfg.execution.moe_alltoall_impl} picks the alltoall dispatcher's "
+                          "exchange, and --moe_token_dispatcher_type=allgather has none; drop one of them")
     if p.moe_token_dispatcher_type == "allgather" and m.moe_expert_capacity_factor is not None and ranks > 1:
         raise ConfigError("--moe_expert_capacity_factor needs --moe_token_dispatcher_type=alltoall (as in "
                           "Megatron-LM): the allgather dispatcher is dropless")

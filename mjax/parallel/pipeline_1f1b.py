@@ -71,15 +71,14 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
         last = valid & (s == pp - 1) & (chunk == vpp - 1)
         micro = micro_at(batch, jnp.maximum(row["b_micro"], 0))
 
-        def add_at_chunk(a, d):  # a [vpp Lv, ...] (this device's layers, or their MoE counts) += d [Lv, ...]
-            size = a.shape[0] // vpp
-            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
-            return jax.lax.dynamic_update_slice_in_dim(a, old + d.astype(jnp.float32), chunk * size, 0)
+        def at_chunk(combine):  # a [vpp Lv, ...] (this device's layers) with chunk's slice combined with d [Lv, ...]
+            def update(a, d):
+                size = a.shape[0] // vpp
+                old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
+                return jax.lax.dynamic_update_slice_in_dim(a, combine(old, d.astype(jnp.float32)), chunk * size, 0)
+            return update
 
-        def max_at_chunk(a, d):  # the amaxes of chunk `chunk`: a [vpp Lv, ...] = max(a, d [Lv, ...]) there
-            size = a.shape[0] // vpp
-            old = jax.lax.dynamic_slice_in_dim(a, chunk * size, size)
-            return jax.lax.dynamic_update_slice_in_dim(a, jnp.maximum(old, d.astype(jnp.float32)), chunk * size, 0)
+        add_at_chunk, max_at_chunk = at_chunk(jnp.add), at_chunk(jnp.maximum)  # gradients and counts; amaxes
 
         def stage_fn(stack, x):  # ((y, MoE objective terms), MoE sums); the scales' cotangent is their amax
             y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1])

@@ -73,10 +73,6 @@ class Tables:
     grads: int  # slots of the gradient buffer
     stash: int  # slots of the stage-input buffer
 
-    @property
-    def ticks(self) -> int:
-        return self.f_chunk.shape[0]
-
     def bubble(self) -> float:
         """The idle share of the devices' time, a tick lasting one forward and/or one backward."""
         busy = (self.f_chunk >= 0).sum() + (self.b_chunk >= 0).sum()

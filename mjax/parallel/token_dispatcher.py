@@ -85,8 +85,8 @@ def _expert_parallel(layer, x, logits, *, mesh, rules, ep_axes, dispatcher_type,
     token_spec, per_seq = P(batch or None, seq or None, None), P(batch or None)
     kernels = layer.experts.kernels(layer.dtype)
     kernel_specs = tuple(None if w is None else P(ep_axes) for w in kernels)
-    local = functools.partial(_alltoall if dispatcher_type == "alltoall" else _allgather, layer, axes=ep_axes,
-                              impl=impl)
+    local = (functools.partial(_alltoall, layer, axes=ep_axes, impl=impl) if dispatcher_type == "alltoall"
+             else functools.partial(_allgather, layer, axes=ep_axes))
 
     def per_device(x, logits, kernels):  # this device's tokens, routed here: top-k stays local
         bl, tl, _ = x.shape
@@ -137,9 +137,8 @@ def _alltoall(layer, x, weights, experts, kernels, *, axes, impl):
     return y.reshape(b, t, d), plan.tokens_per_expert, plan.kept_tokens_per_expert
 
 
-def _allgather(layer, x, weights, experts, kernels, *, axes, impl):
+def _allgather(layer, x, weights, experts, kernels, *, axes):
     """As _alltoall, with every rank's tokens gathered and the partial sums reduce-scattered back (dropless)."""
-    del impl
     b, t, d = x.shape
     k = weights.shape[-1]
     n = b * t

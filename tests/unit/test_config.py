@@ -57,6 +57,8 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(model=MOE, parallel=dict(ep=2), precision=dict(fp8_recipe="tensorwise")), 2,
      "--fp8_recipe=tensorwise with expert parallelism"),
     (dict(model=MOE, execution=dict(moe_alltoall_impl="nccl")), 1, "--moe_alltoall_impl='nccl' is not one of"),
+    (dict(model=MOE, parallel=dict(ep=2, moe_token_dispatcher_type="allgather"),
+          execution=dict(moe_alltoall_impl="ragged")), 2, "--moe_token_dispatcher_type=allgather has none"),
     (dict(execution=dict(remat_save_names=("fp8_cast",)), precision=dict(fp8_recipe="blockwise")), 1, "fp8_cast"),
     (dict(execution=dict(remat_save_names=("fp8_cast",))), 1, "fp8_cast"),
     (dict(execution=dict(cross_entropy_impl="fused"), precision=dict(fp4_recipe="nvfp4", quantize_output_layer=True)),
