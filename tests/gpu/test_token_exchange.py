@@ -60,6 +60,11 @@ def test_ragged_and_padded_exchanges_agree(seed):
     padded = _exchange("padded", rows, sizes, ep)
     for a, b in zip(ragged, padded):
         np.testing.assert_array_equal(a, b)
+    for me in range(ep):  # block s at rank `me`: the rows rank s sent it, in order, then zeros
+        for s in range(ep):
+            start, n = sizes[s, :me].sum(), sizes[s, me]
+            np.testing.assert_array_equal(ragged[0][me, s, :n], rows[s, start:start + n])
+            assert not ragged[0][me, s, n:].any()
     sent = sizes.sum(1)
     for me in range(ep):  # the rows that went out come back doubled, the rest (padding) zero
         np.testing.assert_array_equal(ragged[1][me, :sent[me]], 2 * rows[me, :sent[me]])

@@ -176,4 +176,5 @@ def test_a_checkpoint_saved_at_ep4_restores_at_ep2_ep8_and_ep1(tmp_path):
     for name in ("ep2", "ep8", "ep1"):
         for a, b in zip(jax.tree.leaves(params[name]), jax.tree.leaves(params["ep4"])):
             np.testing.assert_array_equal(a, b)  # the same weights, whatever the layout
-        np.testing.assert_allclose(losses[name], losses["ep4"], rtol=1e-6)  # float32 reorderings only
+        # float32 reorderings only, as test_pipeline's eval across pp sizes (2.1e-7 apart there)
+        np.testing.assert_allclose(losses[name], losses["ep4"], rtol=2e-6)

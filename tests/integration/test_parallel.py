@@ -164,3 +164,14 @@ def test_two_processes_match_the_single_process_run(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-3000:]
     for i in range(2):
         np.testing.assert_allclose(json.loads((tmp_path / f"{i}.json").read_text()), expected, rtol=2e-6)
+
+
+def test_the_random_init_does_not_depend_on_the_layout():
+    """The layout tests start every layout from one cached init (train_utils.initial_state); this is what makes that
+    fair: the sharded init (partitionable RNG, each device drawing only its shard) gives one device's params bitwise."""
+    cfg = tiny_config()
+    one = jax.device_get(build(cfg, jax.devices()[:1]).init_state(5, FAST_COMPILE).params)
+    sharded = jax.device_get(build(cfg.replace(parallel=dict(tp=2, fsdp=2)), jax.devices()).init_state(
+        5, FAST_COMPILE).params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sharded)[0], jax.tree.leaves(one)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
