@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from mjax.kernels.attention.cudnn import cudnn_attention
 from mjax.kernels.attention.errors import AttentionUnsupported
-from mjax.kernels.attention.reference import reference_attention
+from mjax.kernels.attention.reference import reference_attention, reference_attention_backward
 from mjax.kernels.options import ATTENTION_IMPLS
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
-                    causal: bool = True, sliding_window=None, q_len=None, kv_len=None) -> str | None:
+                    causal: bool = True, sliding_window=None, q_len=None, kv_len=None,
+                    offset: bool = False) -> str | None:
     """The capability table: None if `impl` can do this call, else the reason in words."""
     dtype = jnp.dtype(dtype)
     if impl == "xla":
@@ -50,6 +51,8 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
             return "cudnn cannot mask packed documents (segment ids)"
         if return_lse:
             return "cudnn does not return the log-sum-exp"
+        if offset:
+            return "cudnn takes no query position offset"
         if sliding_window is not None and not causal:
             return "cudnn has only a causal sliding window"
         if causal and q_len is not None and kv_len is not None and q_len != kv_len:
@@ -69,7 +72,7 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
 
 
 def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
-                causal: bool = True, sliding_window=None, q_len=None, kv_len=None) -> str:
+                causal: bool = True, sliding_window=None, q_len=None, kv_len=None, offset: bool = False) -> str:
     """The capability table behind `auto`; an explicit choice is checked, never replaced.
 
     auto: on GPU cuDNN when it can (fastest for plain causal attention), else the Pallas kernel (segment ids,
@@ -79,7 +82,7 @@ def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: b
     if impl not in IMPLS:
         raise AttentionUnsupported(f"--attention_impl={impl!r} is not one of {', '.join(IMPLS)}")
     facts = dict(backend=backend, dtype=dtype, head_dim=head_dim, segment_ids=segment_ids, return_lse=return_lse,
-                 causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len)
+                 causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len, offset=offset)
     if impl != "auto":
         reason = why_unsupported(impl, **facts)
         if reason:
@@ -113,16 +116,42 @@ def check_call(q, k, v, *, sliding_window=None, segment_ids=None) -> None:
                                    f"{k.shape[1]}); pass a pair (q_segment_ids, kv_segment_ids)")
 
 
-def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
-                          impl="auto", return_lse=False):
-    """Dispatches to the implementation `impl` names (or `auto` picks); raises AttentionUnsupported otherwise."""
-    check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
+def _choose(impl, q, k, *, causal, sliding_window, segment_ids, return_lse, offset) -> str:
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
                          segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
-                         sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1])
+                         sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1],
+                         offset=offset is not None)
     _log_choice(impl, chosen, q.shape, str(q.dtype))
+    return chosen
+
+
+def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
+                          impl="auto", return_lse=False, offset=None):
+    """Dispatches to the implementation `impl` names (or `auto` picks); raises AttentionUnsupported otherwise.
+    offset: query i sits at key position i + offset (default S - T); a traced value is one block of context
+    parallelism's attention."""
+    check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
+    chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
+                     return_lse=return_lse, offset=offset)
+    extra = {} if offset is None else {"offset": offset}
     return _IMPL_FNS[chosen](q, k, v, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
-                             scale=scale, return_lse=return_lse)
+                             scale=scale, return_lse=return_lse, **extra)
+
+
+def attention_block_backward(q, k, v, out, lse, do, *, causal=True, sliding_window=None, segment_ids=None,
+                             scale=None, impl="auto", offset=None):
+    """(dq, dk, dv) of one block of a larger attention whose merged output `out` and log-sum-exp `lse` are given:
+    the backward of ring attention's blocks, by the implementation `impl` names (xla or pallas: the ones that
+    return the log-sum-exp its forward merges)."""
+    check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
+    chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
+                     return_lse=True, offset=offset)
+    if chosen == "xla":
+        backward = reference_attention_backward
+    else:
+        from mjax.kernels.attention.flash import flash_attention_backward as backward  # noqa: PLC0415
+    return backward(q, k, v, out, lse, do, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
+                    scale=scale, offset=offset)
 
 
 @functools.cache

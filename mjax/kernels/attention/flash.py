@@ -1,15 +1,17 @@
 """mjax's flash attention: Pallas kernels (Triton lowering) for forward and backward, behind a custom_vjp.
 
     out = flash_attention(q, k, v, causal=True, sliding_window=None, segment_ids=None, scale=None,
-                          return_lse=False)
+                          return_lse=False, offset=None)
 
 Layout BTNH: q [B, T, N, H], k/v [B, S, K, H] with N % K == 0 (GQA/MQA; K/V are never repeated). Masks: causal
 (query i sits at key position i + S - T, as in `reference_attention`), a left sliding window, and segment ids
 for packed documents: one [B, T] array (T == S), or a pair (q_segment_ids [B, T], kv_segment_ids [B, S]) as
 ring attention needs. Inputs bf16/fp16 (fp32 works too, at full fp32 matmul precision); accumulation is fp32.
 `return_lse=True` also returns the log-sum-exp [B, N, T] fp32 (natural log; -inf for a row that sees no key,
-whose output is 0); its gradient is supported. Under a mesh the forward and the backward kernel each run per shard
-of the batch and heads (sharded.py).
+whose output is 0); its gradient is supported. `offset` places query i at key position i + offset (default S - T;
+a traced int32 scalar or [B] array is a kernel operand: context parallelism's blocks), and
+`flash_attention_backward` is the blockwise backward that ring attention runs against its merged output. Under a
+mesh the forward and the backward kernel each run per shard of the batch and heads (sharded.py).
 
 Why Triton lowering: it runs the same kernel in interpret mode on CPU (the tests), and in jax 0.11/0.12 it is
 the Pallas GPU path that needs no Hopper-only primitives; the Mosaic GPU attention in jax had no bf16 and no
@@ -18,6 +20,7 @@ padding is masked in the kernels; head dims that are not powers of two are zero-
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +61,48 @@ def check_supported(q_shape, k_shape, v_shape, dtype, *, sliding_window=None, se
 
 
 def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, return_lse=False,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+                    offset=None, block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """Flash attention with the reference's semantics; see the module docstring. Returns out (and lse)."""
+    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret)
+    out, lse = _flash(*call.operands, call.spec, call.blocks, call.scale, call.interpret)
+    out, lse = call.unpad(out), lse[:, :, :q.shape[1]]
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(q, k, v, out, lse, do, *, causal=True, sliding_window=None, segment_ids=None,
+                             scale=None, offset=None, block_sizes: BlockSizes | None = None,
+                             interpret: bool | None = None):
+    """(dq, dk, dv) of this block of attention, given the output `out` [B,T,N,H] and log-sum-exp `lse` [B,N,T] of
+    a larger attention it is part of (its other key blocks merged in) and that output's cotangent `do`: the
+    blockwise backward of ring attention, P recomputed against the merged lse."""
+    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret)
+    t, tp = q.shape[1], call.operands[0].shape[1]
+    lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)), constant_values=-jnp.inf)  # P = 0 there
+    dq, dk, dv = sharded_backward(*call.operands, call.pad_q(out), lse, call.pad_q(do.astype(q.dtype)),
+                                  jnp.zeros_like(lse), spec=call.spec, blocks=call.blocks, scale=call.scale,
+                                  interpret=call.interpret)
+    return call.unpad(dq), dk[:, :k.shape[1], :, :k.shape[3]], dv[:, :k.shape[1], :, :k.shape[3]]
+
+
+class _Call(NamedTuple):
+    operands: tuple  # padded q, k, v, segment ids (or None), offset (or None)
+    spec: MaskSpec
+    blocks: BlockSizes
+    scale: float
+    interpret: bool
+    t: int
+    h: int
+    tp: int
+    hp: int
+
+    def pad_q(self, x):  # [B, T, N, H] -> [B, Tp, N, Hp]
+        return _pad_axis(_pad_axis(x, 1, self.tp), 3, self.hp)
+
+    def unpad(self, x):  # [B, Tp, N, Hp] -> [B, T, N, H]
+        return x[:, :self.t, :, :self.h]
+
+
+def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret) -> _Call:
     check_supported(q.shape, k.shape, v.shape, q.dtype, sliding_window=sliding_window, segment_ids=segment_ids)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise AttentionUnsupported(f"attention_impl=pallas needs q, k, v of one dtype; got {q.dtype}, {k.dtype}, "
@@ -81,15 +124,16 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=No
         # padded queries (sliced off, zero cotangent) may attend whatever they like.
         q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, tp, mode="edge")
         kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, sp, mode="edge")
-    qp = _pad_axis(_pad_axis(q, 1, tp), 3, hp)
+    dynamic = offset is not None and not isinstance(offset, int)
+    if dynamic:  # a traced offset (context-parallel blocks): one per batch row, a kernel operand
+        offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (b,))
+    spec = MaskSpec(causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
+                    offset=0 if dynamic else (s - t if offset is None else offset), kv_len=s, kv_len_padded=sp,
+                    q_len_padded=tp, segments=segment_ids is not None, dynamic_offset=dynamic)
     kp = _pad_axis(_pad_axis(k, 1, sp), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, sp), 3, hp)
-    spec = MaskSpec(causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
-                    offset=s - t, kv_len=s, kv_len_padded=sp, q_len_padded=tp, segments=segment_ids is not None)
-    out, lse = _flash(qp, kp, vp, q_seg, kv_seg, spec, blocks, scale, interpret)
-    out = out[:, :t, :, :h]
-    lse = lse[:, :, :t]
-    return (out, lse) if return_lse else out
+    call = _Call((), spec, blocks, scale, interpret, t, h, tp, hp)
+    return call._replace(operands=(call.pad_q(q), kp, vp, q_seg, kv_seg, offset if dynamic else None))
 
 
 def _pad_axis(x, axis, size, mode="constant"):
@@ -100,24 +144,27 @@ def _pad_axis(x, axis, size, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
-    return sharded_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _flash(q, k, v, q_seg, kv_seg, offset, spec, blocks, scale, interpret):
+    return sharded_forward(q, k, v, q_seg, kv_seg, offset, spec=spec, blocks=blocks, scale=scale,
+                           interpret=interpret)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, spec, blocks, scale, interpret):
-    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+def _flash_fwd(q, k, v, q_seg, kv_seg, offset, spec, blocks, scale, interpret):
+    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, offset, spec=spec, blocks=blocks, scale=scale,
+                               interpret=interpret)
     # Named so that a remat policy can keep the kernel's results and skip rerunning it (remat name attn_core).
     out, lse = checkpoint_name(out, ATTN_CORE), checkpoint_name(lse, ATTN_CORE)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+    return (out, lse), (q, k, v, q_seg, kv_seg, offset, out, lse)
 
 
 def _flash_bwd(spec, blocks, scale, interpret, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_seg, kv_seg, offset, out, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv = sharded_backward(q, k, v, q_seg, kv_seg, out, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                                  spec=spec, blocks=blocks, scale=scale, interpret=interpret)
-    return dq, dk, dv, None, None
+    dq, dk, dv = sharded_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do.astype(q.dtype),
+                                  dlse.astype(jnp.float32), spec=spec, blocks=blocks, scale=scale,
+                                  interpret=interpret)
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

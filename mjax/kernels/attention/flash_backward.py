@@ -16,17 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mjax.kernels.attention.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
-                                       query_block_segment_inputs, run_blocks, segment_block_bounds)
+from mjax.kernels.attention.flash_common import (LOG2E, BlockSizes, MaskSpec, compiler_params, dot, kernel_refs,
+                                                 offset_input, pl, query_block_segment_inputs, run_blocks,
+                                                 segment_block_bounds)
 
 
 def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
-    if spec.segments:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, dq_ref = refs
-        seg_bounds = (lo_ref[...], hi_ref[...])
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        qseg_ref = kseg_ref = seg_bounds = None
+    inputs, spec, (qseg_ref, kseg_ref, lo_ref, hi_ref), (dq_ref,) = kernel_refs(refs, spec, 6, 1)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    seg_bounds = (lo_ref[...], hi_ref[...]) if spec.segments else None
     qi = n_q_blocks - 1 - pl.program_id(0)
     q = q_ref[...]  # [bq, H]
     do = do_ref[...]
@@ -54,12 +52,9 @@ def _dq_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks
 
 
 def _dkv_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, groups: int):
-    if spec.segments:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, dk_ref, dv_ref = refs
-        seg_bounds = (lo_ref[...], hi_ref[...])
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-        qseg_ref = kseg_ref = seg_bounds = None
+    inputs, spec, (qseg_ref, kseg_ref, lo_ref, hi_ref), (dk_ref, dv_ref) = kernel_refs(refs, spec, 6, 2)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    seg_bounds = (lo_ref[...], hi_ref[...]) if spec.segments else None
     kj = pl.program_id(0)
     k = k_ref[...]  # [bk, H]
     v = v_ref[...]
@@ -100,7 +95,7 @@ def _dkv_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, groups: i
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "scale", "interpret"))
-def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec, blocks: BlockSizes,
+def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=None, *, spec: MaskSpec, blocks: BlockSizes,
                    scale: float, interpret: bool):
     """Padded inputs as flash_forward; lse [B,N,Tp] natural log; dlse its cotangent. Returns dq, dk, dv."""
     b, tp, n, h = q.shape
@@ -131,6 +126,10 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
                 pl.BlockSpec((None, None, bq), rowmap),
                 pl.BlockSpec((None, None, bq), rowmap)]
     args = [q, k, v, do, lse2, delta]
+    if spec.dynamic_offset:
+        offset_spec, offset = offset_input(offset)
+        in_specs.append(offset_spec)
+        args.append(offset)
     if spec.segments:
         seg_specs, seg_args = query_block_segment_inputs(q_seg, kv_seg, bq, bk, sp, nq)
         in_specs += seg_specs
@@ -170,6 +169,9 @@ def flash_backward(q, k, v, q_seg, kv_seg, out, lse, do, dlse, *, spec: MaskSpec
                 pl.BlockSpec((None, None, groups, tp), grprowmap),
                 pl.BlockSpec((None, None, groups, tp), grprowmap)]
     args = [q5, k, v, do5, lse4, delta4]
+    if spec.dynamic_offset:
+        in_specs.append(offset_input(offset)[0])
+        args.append(offset)
     if spec.segments:
         _, _, q_lo, q_hi = segment_block_bounds(q_seg, kv_seg, bq, bk)
         in_specs += [pl.BlockSpec((None, tp), lambda j, bi, hi: (bi, 0)),

@@ -5,8 +5,8 @@ the range math below decides, from static mask facts and the program ids, which 
 at all (the rest are skipped) and which are fully visible (those skip the positional mask). The visited range is
 split into three runs: masked head, unmasked middle, masked tail. Segment ids, when given, are always applied.
 
-Positions: query row i sits at key position i + offset, offset = kv_len - q_len (the reference's convention),
-so a query attends key j when
+Positions: query row i sits at key position i + offset, offset = kv_len - q_len (the reference's convention) or,
+with `dynamic_offset`, a per-row int32 operand (a context-parallel ring step's block), so a query attends key j when
     causal          j <= i + offset
     sliding window  i + offset - j < window
     padding         j < kv_len
@@ -114,11 +114,16 @@ class MaskSpec:
 
     causal: bool
     window: int | None
-    offset: int  # kv_len - q_len of the unpadded inputs
+    offset: int  # key position of query 0: kv_len - q_len of the unpadded inputs, unless dynamic_offset
     kv_len: int  # unpadded key length; keys at or past it are padding
     kv_len_padded: int
     q_len_padded: int
     segments: bool
+    dynamic_offset: bool = False  # the offset is a kernel operand, one per batch row (context-parallel blocks)
+
+    def at(self, offset) -> "MaskSpec":
+        """This spec with a traced offset (inside a kernel: the row's operand) in place of the static one."""
+        return dataclasses.replace(self, offset=offset)
 
     def apply(self, s, q_rows, k_cols, *, masked: bool, row_seg=None, col_seg=None, transposed: bool = False):
         """Scores `s` with the position mask (when `masked`) and the segment mask set to -inf; also whether any mask
@@ -274,6 +279,21 @@ def default_interpret() -> bool:
 # jax 0.11+ warns on every Triton-lowered pallas_call that the backend is deprecated in favour of Mosaic GPU. We
 # choose Triton on purpose (docs/kernels.md says why); keep that one message out of every training log.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+
+def kernel_refs(refs, spec: MaskSpec, n_inputs: int, n_outputs: int):
+    """Splits a kernel's refs: (fixed inputs, spec with this row's offset, (qseg, kseg, lo, hi) or Nones, outputs).
+    The optional operands follow the fixed inputs: the offset (dynamic_offset), then the segment inputs."""
+    inputs, rest = refs[:n_inputs], list(refs[n_inputs:len(refs) - n_outputs])
+    if spec.dynamic_offset:
+        spec = spec.at(rest.pop(0)[...])
+    segments = tuple(rest) if spec.segments else (None,) * 4
+    return inputs, spec, segments, refs[len(refs) - n_outputs:]
+
+
+def offset_input(offset):
+    """(BlockSpec, array) of the per-row offset operand [B] int32 of a kernel gridded (block, batch, head)."""
+    return pl.BlockSpec((None,), lambda i, bi, hi: (bi,)), offset
 
 
 def query_block_segment_inputs(q_seg, kv_seg, bq: int, bk: int, sp: int, nq: int):

@@ -10,17 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mjax.kernels.attention.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, pl,
-                                       query_block_segment_inputs, run_blocks)
+from mjax.kernels.attention.flash_common import (LN2, LOG2E, BlockSizes, MaskSpec, compiler_params, dot, kernel_refs,
+                                                 offset_input, pl, query_block_segment_inputs, run_blocks)
 
 
 def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_blocks: int):
-    if spec.segments:
-        q_ref, k_ref, v_ref, qseg_ref, kseg_ref, lo_ref, hi_ref, o_ref, lse_ref = refs
-        seg_bounds = (lo_ref[...], hi_ref[...])
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        qseg_ref = kseg_ref = seg_bounds = None
+    (q_ref, k_ref, v_ref), spec, (qseg_ref, kseg_ref, lo_ref, hi_ref), (o_ref, lse_ref) = kernel_refs(refs, spec, 3, 2)
+    seg_bounds = (lo_ref[...], hi_ref[...]) if spec.segments else None
     qi = n_q_blocks - 1 - pl.program_id(0)
     q = q_ref[...]  # [bq, H]
     q_rows = qi * bq + jnp.arange(bq, dtype=jnp.int32)
@@ -51,8 +47,10 @@ def _forward_kernel(*refs, spec: MaskSpec, bq: int, bk: int, scale: float, n_q_b
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "scale", "interpret"))
-def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, blocks: BlockSizes, scale: float, interpret: bool):
-    """q [B,Tp,N,H], k/v [B,Sp,K,H] padded to the block multiples; returns out [B,Tp,N,H], lse [B,N,Tp] fp32."""
+def flash_forward(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, blocks: BlockSizes, scale: float,
+                  interpret: bool):
+    """q [B,Tp,N,H], k/v [B,Sp,K,H] padded to the block multiples, offset [B] int32 (spec.dynamic_offset) or None;
+    returns out [B,Tp,N,H], lse [B,N,Tp] fp32."""
     b, tp, n, h = q.shape
     sp, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -69,6 +67,10 @@ def flash_forward(q, k, v, q_seg, kv_seg, *, spec: MaskSpec, blocks: BlockSizes,
                 pl.BlockSpec((None, sp, None, h), kvmap),
                 pl.BlockSpec((None, sp, None, h), kvmap)]
     args = [q, k, v]
+    if spec.dynamic_offset:
+        offset_spec, offset = offset_input(offset)
+        in_specs.append(offset_spec)
+        args.append(offset)
     if spec.segments:
         seg_specs, seg_args = query_block_segment_inputs(q_seg, kv_seg, bq, bk, sp, nq)
         in_specs += seg_specs
