@@ -21,9 +21,20 @@ class ParallelConfig:
         None, "pipeline_schedule", "gpipe | 1f1b | interleaved_1f1b | interleaved (both need --vpp > 1); unset: "
         "interleaved_1f1b when --vpp > 1, else 1f1b (docs/parallelism.md).")
     decoder_first_pipeline_num_layers: int | None = field(
-        None, "decoder_first_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
+        None, "decoder_first_pipeline_num_layers", "Transformer layers of the first pipeline stage (Megatron's uneven "
+        "split); the other stages split the rest evenly.")
     decoder_last_pipeline_num_layers: int | None = field(
-        None, "decoder_last_pipeline_num_layers", "Uneven pipeline split (Megatron); not supported.")
+        None, "decoder_last_pipeline_num_layers", "Transformer layers of the last pipeline stage (Megatron's uneven "
+        "split).")
+    account_for_embedding_in_pipeline_split: bool = field(
+        False, "account_for_embedding_in_pipeline_split", "Count the embedding as one layer of the pipeline split: "
+        "the first stage holds one transformer layer less.")
+    account_for_loss_in_pipeline_split: bool = field(
+        False, "account_for_loss_in_pipeline_split", "Count the loss as one layer of the pipeline split: the last "
+        "stage holds one transformer layer less.")
+    pipeline_model_parallel_layout: str | None = field(
+        None, "pipeline_model_parallel_layout", "Megatron's layout string, e.g. \"Ett|(tt|)*2tL\": | ends a (virtual) "
+        "stage, E embedding, t transformer layer, L loss, (...)*n repeats (docs/parallelism.md).")
     ep: int = field(1, "ep", "Expert-parallel size.")
     expert_tensor_parallel_size: int | None = field(
         None, "expert_tensor_parallel_size", "Tensor-parallel size of the experts: --tp (unset) or 1 (the experts "

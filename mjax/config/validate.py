@@ -5,6 +5,7 @@ import logging
 from mjax.config import model as model_options
 from mjax.config.model import MOE_REMAT_NAMES
 from mjax.config.base import ConfigError
+from mjax.config.pipeline_layout import stage_layout
 from mjax.config.sections import Config
 from mjax.kernels import options as kernels
 
@@ -154,11 +155,13 @@ def validate_moe(cfg: Config) -> None:
         raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with MoE layers is not supported: the expert GEMMs take "
                           "per-tensor scales; use --fp8_recipe=delayed or --fp8_recipe=tensorwise")
     if p.pp > 1:
-        stage = m.num_layers // (p.pp * p.vpp)
-        if any(pattern[i] != pattern[i % stage] for i in range(m.num_layers)):
-            raise ConfigError(f"--pp={p.pp} x --vpp={p.vpp}: every pipeline stage runs one SPMD program, so each stage's "
-                              f"{stage} layers must have the same dense/MoE pattern; --moe_layer_freq="
-                              f"{m.moe_layer_freq} with --moe_first_dense_layers={m.moe_first_dense_layers} does not")
+        stages = stage_layout(p, m.num_layers)
+        if any(pattern[stages.first_layer(v) + j] != pattern[j] for v, n in enumerate(stages.counts)
+               for j in range(n)):
+            raise ConfigError(f"--pp={p.pp} x --vpp={p.vpp}: every pipeline stage runs one SPMD program, so the layers "
+                              f"of each (virtual) stage ({stages.describe()}) must follow the dense/MoE pattern of "
+                              f"the model's first layers; --moe_layer_freq={m.moe_layer_freq} with "
+                              f"--moe_first_dense_layers={m.moe_first_dense_layers} does not")
         if p.vpp > 1 and pipeline_schedule(p) != "interleaved_1f1b":
             raise ConfigError(f"--vpp={p.vpp} with MoE layers runs with --pipeline_schedule=interleaved_1f1b (what "
                               f"--vpp selects when the schedule is unset), not {pipeline_schedule(p)}")
@@ -207,15 +210,7 @@ def validate_expert_parallel(cfg: Config) -> None:
 def validate_pipeline(cfg: Config) -> None:
     p, layers = cfg.parallel, cfg.model.num_layers
     choice(pipeline_schedule(p), PIPELINE_SCHEDULES, "pipeline_schedule")
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(p, name) is not None:
-            raise ConfigError(
-                f"--{name} (an uneven pipeline split) is not supported: all pipeline stages run one SPMD program, "
-                "so each holds --model.num_layers / (--pp x --vpp) layers; unset it")
-    if layers % (p.pp * p.vpp):
-        raise ConfigError(
-            f"--model.num_layers={layers} is not divisible by --pp={p.pp} x --vpp={p.vpp}: every (virtual) pipeline "
-            "stage holds the same number of layers and no layer is ever dropped; change one of them")
+    stage_layout(p, layers)  # raises for counts that do not add up, or a layout string that does not fit
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError(f"--vpp={p.vpp} needs --pp > 1")
     if p.vpp > 1 and pipeline_schedule(p) not in INTERLEAVED:

@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from mjax.config.pipeline_layout import stage_layout
 from mjax.config.validate import pipeline_schedule
 from mjax.sharding import current_logical_sharding
-from mjax.parallel import pipeline_1f1b
+from mjax.parallel import pipeline_1f1b, pipeline_placement
 from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
                                           my_chunks, per_stage_zeros, run_layers, shift, split_params,
                                           stored_order_sums)
@@ -58,16 +59,18 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
     loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
+    plan = uneven_placement(model, pcfg)
     if pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
         grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(
-            model, token_loss, use_segments, pp, vpp, stacks, rest, batch, weight, moe_weight, split_params(fp8 or {}))
+            model, token_loss, use_segments, pp, vpp, stacks, rest, batch, weight, moe_weight, split_params(fp8 or {}),
+            plan)
     else:
         if fp8:
             raise ValueError(f"FP8 layers under --pipeline_schedule={pipeline_schedule(pcfg)}: use 1f1b or "
                              "interleaved_1f1b, whose explicit backward slots take each layer's amax")
 
         def loss(stacks, rest):
-            outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch)
+            outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch, plan)
             value, (loss_sum, z_sum) = head_loss(model, token_loss, rest, outputs, batch, weight, pp)
             return value + moe_weight * moe_obj, (loss_sum, z_sum, busy, moe_sums)
 
@@ -75,7 +78,16 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
             stacks, rest)
         grads, amaxes = {**d_rest, **d_stacks}, {}
         bubble = 1.0 - busy / ((vpp * num + pp - 1) * pp)  # ticks; the backward mirrors them
-    return grads, amaxes, loss_sum, z_sum, bubble, stored_order_sums(moe_sums, pp, vpp)
+    moe_sums = (stored_order_sums(moe_sums, pp, vpp) if plan is None
+                else pipeline_placement.stored_order_sums(plan, moe_sums))
+    return grads, amaxes, loss_sum, z_sum, bubble, moe_sums
+
+
+def uneven_placement(model, pcfg):
+    """The Placement of the configured stage layout when its stages differ in length (pipeline_placement.py), or
+    None when every stage holds the same layers (each device's stored block, or Megatron's interleaved chunks)."""
+    layout = stage_layout(pcfg, model.cfg.num_layers)
+    return None if layout.even else pipeline_placement.placement(layout, tuple(model.cfg.moe_layer_pattern()))
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):
@@ -91,21 +103,24 @@ def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: 
     # [B, T] -> [M, B / M, T]: row i of micro-batch m is sample i M + m, so no sample changes device.
     micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(size // num, num, *a.shape[1:]), 0, 1), batch)
     stacks, rest = split_params(params)
-    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro)[0]
+    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro, uneven_placement(model, pcfg))[0]
     return head_sums(model, token_loss, rest, outputs, micro, pcfg.pp)
 
 
-def _forward(model, use_segments, pp, vpp, layers, rest, batch):
+def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
     """Runs the M micro-batches through the pp x vpp virtual stages in GPipe order. Returns the last virtual stage's
     outputs [M, B, T, D], the number of (device, tick) slots that did useful work, the MoE objective terms summed
-    over stages and micro-batches, and the MoE sums per device [pp, ...] ({} without MoE layers; vpp = 1)."""
+    over stages and micro-batches, and the MoE sums per device [pp, ...] ({} without MoE layers). plan: the
+    Placement of uneven stages, or None."""
     num = batch["inputs"].shape[0]
-    if vpp > 1:
+    if plan is not None:
+        layers = pipeline_placement.to_devices(plan, layers, pipeline_placement.stored_dims(model, layers, {})[0])
+    elif vpp > 1:
         layers = manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS))(layers)
     x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
     carry = {"received": per_stage_zeros(pp, x), "outputs": per_stage_zeros(pp, x, num),  # [pp, (M,) B, T, D]
              "busy": jnp.zeros((pp,), jnp.int32), "moe_obj": jnp.zeros((pp,), jnp.float32),
-             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments)}
+             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, vpp=vpp)}
     if vpp > 1:  # device 0 keeps what the last device finished until its next round starts
         carry["circulating"] = per_stage_zeros(pp, x, num)
 
@@ -119,9 +134,11 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
         if vpp > 1:
             first = jnp.where(r == 0, first, c["circulating"][m])
         x = jnp.where(s == 0, first, c["received"])
-        y, obj, sums = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments)
+        real = None if plan is None else plan.real_of(s, r)
+        y, obj, sums = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments,
+                                  real=real)
         c["moe_obj"] += jnp.where(valid, obj, 0.0)
-        c["moe_sums"] = jax.tree.map(lambda a, b: a + jnp.where(valid, b, 0.0), c["moe_sums"], sums)
+        c["moe_sums"] = jax.tree.map(lambda a, b: _add_at_chunk(a, jnp.where(valid, b, 0.0), r), c["moe_sums"], sums)
         done = valid & (s == pp - 1) & (r == vpp - 1)
         c["outputs"] = c["outputs"].at[m].set(jnp.where(done, y, c["outputs"][m]))
         c["received"] = shift(y, pp, +1, circular=vpp > 1)
@@ -144,3 +161,12 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch):
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(vpp * num + pp - 1))
     return carry["outputs"][pp - 1], jnp.sum(carry["busy"]), jnp.sum(carry["moe_obj"]), carry["moe_sums"]
+
+
+def _add_at_chunk(total, part, chunk):
+    """A device's MoE sums plus one chunk's: per-layer sums [vpp S, E] take [S, E] at chunk's slots, scalars add."""
+    if total.shape == part.shape:
+        return total + part
+    size = part.shape[0]
+    return jax.lax.dynamic_update_slice_in_dim(
+        total, jax.lax.dynamic_slice_in_dim(total, chunk * size, size) + part, chunk * size, 0)

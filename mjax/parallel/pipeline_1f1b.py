@@ -18,22 +18,29 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mjax.parallel import pipeline_placement
 from mjax.parallel.pipeline_stage import (AXIS, embed, head, manual, micro_at, moe_sums_like, my_chunks,
                                           per_stage_zeros, run_layers, shift)
 from mjax.parallel.pipeline_tables import one_f_one_b
 
 
-def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, moe_weight=0.0, fp8=({}, {})):
+def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, moe_weight=0.0, fp8=({}, {}),
+        plan=None):
     """Gradients of weight x the summed loss of the micro-batches in `batch` ([M, B, T] arrays) plus moe_weight x the
     MoE layers' objective terms. layers: the stacked layers {"layers": [L, ...], "moe_layers": ...} (sharded over
     `pipeline` in stored order); rest: the other params; fp8: the FP8 scales of both ({} without FP8 layers).
-    Returns (grads, the FP8 amaxes observed (max over micro-batches), loss sum, z sum, the counted bubble, the MoE
-    sums per device [pp, ...] in the order each device runs its layers ({} without MoE layers))."""
+    plan: the Placement of uneven stages (pipeline_placement.py), or None. Returns (grads, the FP8 amaxes observed
+    (max over micro-batches), loss sum, z sum, the counted bubble, the MoE sums per device [pp, ...] in the order
+    each device runs its layers ({} without MoE layers))."""
     num = batch["inputs"].shape[0]
     tables = one_f_one_b(pp, vpp, num)
     fp8_layers, fp8_rest = fp8
     chunked, to_stored = (layers, fp8_layers), None
-    if vpp > 1:  # the interleaved placement; its vjp takes the gradients (and amaxes) back to the stored order
+    if plan is not None:  # uneven stages: each device's slots; the vjp takes gradients and amaxes back
+        dims = pipeline_placement.stored_dims(model, layers, fp8_layers)
+        chunked, to_stored = jax.vjp(lambda t: tuple(pipeline_placement.to_devices(plan, a, d) for a, d in zip(t, dims)),
+                                     chunked)
+    elif vpp > 1:  # the interleaved placement; its vjp takes the gradients (and amaxes) back to the stored order
         chunked, to_stored = jax.vjp(manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS)), chunked)
     table = {k: jnp.asarray(getattr(tables, k)) for k in (
         "f_chunk", "f_micro", "f_input", "f_stash", "b_chunk", "b_micro", "b_input", "b_stash", "f_arrive",
@@ -44,7 +51,7 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
              "received": per_stage_zeros(pp, x, tables.received), "grads": per_stage_zeros(pp, x, tables.grads),
              "stash": per_stage_zeros(pp, x, tables.stash),  # [pp, slots, B, T, D]
              "d_head": f32(rest, pp), "amax_head": f32(fp8_rest, pp), "loss": jnp.zeros((pp,)), "z": jnp.zeros((pp,)),
-             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, fp8_layers)}
+             "moe_sums": moe_sums_like(model, chunked[0], pp, x, micro_at(batch, 0), use_segments, chunked[1], vpp)}
 
     def chunk_of(tree, c):  # this device's layers [vpp Lv, ...] -> chunk c's [Lv, ...]
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * (a.shape[0] // vpp), a.shape[0] // vpp),
@@ -63,7 +70,8 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
         slot = jnp.maximum(row["f_stash"], 0)
         c["stash"] = c["stash"].at[slot].set(jnp.where(valid, x, c["stash"][slot]))
         layers, scales = chunk_of(stacks, chunk)
-        c["f_arriving"] = shift(run_layers(model, layers, x, micro, use_segments, scales)[0], pp, +1,
+        real = None if plan is None else plan.real_of(s, chunk)
+        c["f_arriving"] = shift(run_layers(model, layers, x, micro, use_segments, scales, real)[0], pp, +1,
                                 circular=vpp > 1)
 
     def backward(s, c, d_stacks, stacks, rest, fp8_rest, row, batch, weight, moe_weight):
@@ -80,8 +88,10 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
 
         add_at_chunk, max_at_chunk = at_chunk(jnp.add), at_chunk(jnp.maximum)  # gradients and counts; amaxes
 
+        real = None if plan is None else plan.real_of(s, chunk)
+
         def stage_fn(stack, x):  # ((y, MoE objective terms), MoE sums); the scales' cotangent is their amax
-            y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1])
+            y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1], real)
             return (y, obj), sums
 
         (y, obj), stage_vjp, sums = jax.vjp(stage_fn, chunk_of(stacks, chunk),
@@ -102,6 +112,9 @@ def run(model, token_loss, use_segments, pp, vpp, layers, rest, batch, weight, m
 
         d_layers, amaxes = d_stacks
         amax_block = jax.tree.map(lambda d: jnp.where(valid, d, 0.0), amax_block)  # idle slots observe nothing
+        if plan is not None:  # nor do the masked layer slots of a shorter stage
+            amax_block = {name: jax.tree.map(lambda d, m=plan.slot_is_layer(name, s, chunk): jnp.where(
+                m.reshape(-1, *[1] * (d.ndim - 1)), d, 0.0), tree) for name, tree in amax_block.items()}
         return (jax.tree.map(add_at_chunk, d_layers, d_block), jax.tree.map(max_at_chunk, amaxes, amax_block)), dx
 
     def tick_fn(do_forward, do_backward):

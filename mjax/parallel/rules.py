@@ -36,9 +36,14 @@ def _is_axes(x) -> bool:
 
 
 def param_shardings(mesh, logical_axes: dict, rules: dict, abstract_params: dict):
-    """NamedShardings for a params tree (dims not divisible by their mesh axes stay unsharded)."""
-    return jax.tree.map(lambda axes, leaf: NamedSharding(mesh, logical_to_spec(axes, rules, leaf.shape, mesh)),
-                        logical_axes, abstract_params, is_leaf=_is_axes)
+    """NamedShardings for a params tree (dims not divisible by their mesh axes stay unsharded). A layer stack whose
+    layer count does not divide over `pipeline` (an uneven pipeline split) is split over it on another dim, so each
+    pipeline device still stores 1 / pp of it (mjax/parallel/pipeline_placement.py moves the layers to their stage)."""
+    def one(axes, leaf):
+        sharding = NamedSharding(mesh, logical_to_spec(axes, rules, leaf.shape, mesh))
+        return add_axis(sharding, leaf.shape, "pipeline") if "layers" in axes and "pipeline" in mesh.shape else sharding
+
+    return jax.tree.map(one, logical_axes, abstract_params, is_leaf=_is_axes)
 
 
 def add_axis(sharding: NamedSharding, shape, axis: str) -> NamedSharding:

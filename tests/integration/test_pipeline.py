@@ -233,7 +233,8 @@ def test_interleaved_chunks_hold_megatrons_layers(pp, vpp):
 @pytest.mark.parametrize("parallel, sections, message", [
     (dict(pp=3), {}, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
     (dict(pp=2, vpp=4, pipeline_schedule="interleaved"), {}, "not divisible by --pp=2 x --vpp=4"),
-    (dict(pp=2, decoder_last_pipeline_num_layers=1), {}, "decoder_last_pipeline_num_layers.*not supported"),
+    (dict(pp=3, decoder_last_pipeline_num_layers=1), {}, "decoder_last_pipeline_num_layers=1 leaves 3 .* not split "
+     "evenly over the other 2 stage"),
     (dict(pp=2, vpp=2, pipeline_schedule="1f1b"), {}, "--vpp=2 needs an interleaved schedule"),
     (dict(pp=4, vpp=2), dict(model=dict(num_layers=8), train=dict(micro_batch_size=1, global_batch_size=12)),
      "interleaved_1f1b runs the micro-batches in groups of --pp=4"),
