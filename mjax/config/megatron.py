@@ -30,7 +30,7 @@ RENAMED = {
 # Switches that only restate what other flags already say: accepted, and checked to mean what they claim (the
 # switch -> the flags, alias and dotted name, that set the field it implies).
 IMPLIED = {"group_query_attention": ("num_query_groups", "model.num_query_groups")}
-MULTI_VALUE = {"data_path"}  # Megatron takes these as several space-separated values
+MULTI_VALUE = {"data_path", "hierarchical_context_parallel_sizes"}  # Megatron takes these as several space-separated values
 LOWERCASE = {"remat_policy", "normalization", "position_embedding_type", "lr_decay_style", "attention_impl"}
 
 

@@ -41,7 +41,13 @@ class ParallelConfig:
         "are then split over --ep x --tp devices; MoE parallel folding).")
     moe_token_dispatcher_type: str = field(
         "alltoall", "moe_token_dispatcher_type", "alltoall | allgather: how tokens reach experts on other --ep ranks.")
-    cp: int = field(1, "cp", "Context-parallel size.")
+    cp: int = field(1, "cp", "Context-parallel size: every sequence split over --cp devices, attention across them.")
+    cp_comm_type: str = field(
+        "p2p", "cp_comm_type", "p2p (ring) | all_gather | a2a (Ulysses) | a2a+p2p: how context-parallel attention "
+        "communicates (docs/parallelism.md).")
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = field(
+        None, "hierarchical_context_parallel_sizes", "a2a+p2p: [all-to-all group size, ring size], their product "
+        "--cp (e.g. 2,4).")
     fsdp: int = field(1, "fsdp", "Fully-sharded data-parallel size.")
     dp: int = field(-1, "dp", "Data-parallel size; -1 fills the remaining devices.")
     sequence_parallel: bool = field(False, "sequence_parallel")

@@ -207,6 +207,47 @@ def validate_expert_parallel(cfg: Config) -> None:
                           "drop --fp8_recipe")
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """--cp, --cp_comm_type, --hierarchical_context_parallel_sizes (mjax/parallel/context_parallel.py)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    choice(p.cp_comm_type, CP_COMM_TYPES, "cp_comm_type")
+    sizes = p.hierarchical_context_parallel_sizes
+    if sizes is not None and p.cp_comm_type != "a2a+p2p":
+        raise ConfigError(f"--hierarchical_context_parallel_sizes is for --cp_comm_type=a2a+p2p, not "
+                          f"{p.cp_comm_type}; drop one of them")
+    if p.cp == 1:
+        return
+    if t.seq_length % (2 * p.cp):
+        raise ConfigError(f"--seq_length={t.seq_length} must be divisible by 2 x --cp = {2 * p.cp}: each rank holds "
+                          "two chunks of every sequence (load-balanced causal attention)")
+    if p.sequence_parallel and t.seq_length % (p.cp * p.tp):
+        raise ConfigError(f"--sequence_parallel with --cp={p.cp}: --seq_length={t.seq_length} must be divisible by "
+                          f"--cp x --tp = {p.cp * p.tp}")
+    a2a = {"p2p": 1, "all_gather": 1, "a2a": p.cp}.get(p.cp_comm_type)
+    if p.cp_comm_type == "a2a+p2p":
+        if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != p.cp or min(sizes) < 1:
+            raise ConfigError(f"--cp_comm_type=a2a+p2p needs --hierarchical_context_parallel_sizes=A,R (all-to-all "
+                              f"group size, ring size) with A x R = --cp={p.cp}; got {sizes}")
+        a2a = sizes[0]
+    slots = p.tp * a2a
+    if a2a > 1:
+        if m.num_attention_heads % slots:
+            raise ConfigError(f"--cp_comm_type={p.cp_comm_type}: --num_attention_heads={m.num_attention_heads} must "
+                              f"split over --tp x the all-to-all ranks = {slots}")
+        kv = m.num_kv_heads
+        if kv % slots and slots % kv:
+            raise ConfigError(f"--cp_comm_type={p.cp_comm_type}: {kv} KV heads (--num_query_groups) must split over "
+                              f"or divide --tp x the all-to-all ranks = {slots}")
+    ring = p.cp // a2a
+    if (ring > 1 or p.cp_comm_type == "all_gather") and cfg.execution.attention_impl == "cudnn":
+        raise ConfigError(f"--cp_comm_type={p.cp_comm_type} attends in blocks at run-time offsets, merged by their "
+                          "log-sum-exp, and cuDNN gives neither: use --attention_impl=pallas (or auto), or "
+                          "--cp_comm_type=a2a")
+
+
 def validate_pipeline(cfg: Config) -> None:
     p, layers = cfg.parallel, cfg.model.num_layers
     choice(pipeline_schedule(p), PIPELINE_SCHEDULES, "pipeline_schedule")
@@ -296,16 +337,12 @@ def validate(cfg: Config) -> None:
         positive(getattr(p, name), name)
     if p.dp != -1:
         positive(p.dp, "dp")
-    if p.cp > 1:
-        raise ConfigError(f"--cp={p.cp}: context parallelism (attention across devices over the sequence) is not "
-                          "implemented yet; use --cp=1")
     if p.sequence_parallel and t.seq_length % p.tp:
         raise ConfigError(f"--sequence_parallel: --seq_length={t.seq_length} is not divisible by --tp={p.tp}")
     if p.sequence_parallel and p.tp == 1:
         log.warning("--sequence_parallel has no effect with --tp=1 (it splits the sequence over the tensor-parallel "
                     "group); it is ignored")
-    if t.seq_length % p.cp:
-        raise ConfigError(f"--seq_length={t.seq_length} is not divisible by --cp={p.cp}")
+    validate_context_parallel(cfg)
 
     positive(t.train_iters, "train_iters")
     positive(t.seq_length, "seq_length")

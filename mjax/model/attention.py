@@ -12,9 +12,12 @@ from mjax.sharding import constrain, splits_evenly
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, rngs: nnx.Rngs):
-        """execution: the kernel choices (--attention_impl, --qkv_grad_impl); default auto."""
-        self.cfg = cfg
+    def __init__(self, cfg, *, dtype, param_dtype, quant=None, execution=None, core_attention=None,
+                 rngs: nnx.Rngs):
+        """execution: the kernel choices (--attention_impl, --qkv_grad_impl); default auto. core_attention:
+        `f(q, k, v, *, causal, sliding_window, segment_ids, impl) -> out` as dot_product_attention (the default);
+        training passes mjax.parallel.context_parallel's, which attends across the ranks holding the sequence."""
+        self.cfg, self.core_attention = cfg, core_attention or dot_product_attention
         self.attention_impl, self.qkv_grad_impl = ((execution.attention_impl, execution.qkv_grad_impl)
                                                    if execution is not None else ("auto", "auto"))
         d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
@@ -77,8 +80,8 @@ class Attention(nnx.Module):
             cache = {"k": _write(cache["k"], k, positions[:, 0]), "v": _write(cache["v"], v, positions[:, 0])}
             out = cached_attention(q, cache["k"], cache["v"], positions, self.cfg.window_size)  # [B, T, N, H]
             return self.o_proj(out), cache
-        out = dot_product_attention(q, k, v, causal=True, sliding_window=self.cfg.window_size,
-                                    segment_ids=segment_ids, impl=self.attention_impl)  # [B, T, N, H]
+        out = self.core_attention(q, k, v, causal=True, sliding_window=self.cfg.window_size,
+                                  segment_ids=segment_ids, impl=self.attention_impl)  # [B, T, N, H]
         out = checkpoint_name(constrain(out, ("batch", "seq", "heads", "head_dim")), "attn_context")
         return checkpoint_name(self.o_proj(out), "attn_out"), None
 

@@ -27,10 +27,12 @@ class ModelDef:
     execution: ExecutionConfig | None = None  # kernel choices; None: auto everywhere
     runner: Callable = scan_runner  # how each run of layers runs (training: mjax.parallel.remat.LayerRunner)
     dispatcher: Callable | None = None  # how MoE tokens reach experts (training: mjax.parallel.token_dispatcher)
+    core_attention: Callable | None = None  # attention proper (training: mjax.parallel.context_parallel's)
 
     def module(self, key) -> CausalLM:
         return CausalLM(self.cfg, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype),
                         quant=self.quant, execution=self.execution, runner=self.runner, dispatcher=self.dispatcher,
+                        core_attention=self.core_attention,
                         rngs=nnx.Rngs(params=key))
 
     @functools.cached_property
@@ -93,14 +95,16 @@ class ModelDef:
         return self.cfg.padded_vocab_size()
 
 
-def build_model(cfg, precision=None, execution=None, runner=scan_runner, dispatcher=None) -> ModelDef:
+def build_model(cfg, precision=None, execution=None, runner=scan_runner, dispatcher=None,
+                core_attention=None) -> ModelDef:
     """ModelDef from a ModelConfig (and optional PrecisionConfig for compute/param dtypes and the FP8/FP4 policy,
-    ExecutionConfig for the kernel choices, a layer runner for remat / scan, an MoE token dispatcher)."""
+    ExecutionConfig for the kernel choices, a layer runner for remat / scan, an MoE token dispatcher, the core
+    attention)."""
+    hooks = dict(execution=execution, runner=runner, dispatcher=dispatcher, core_attention=core_attention)
     if precision is None:
-        return ModelDef(cfg, execution=execution, runner=runner, dispatcher=dispatcher)
+        return ModelDef(cfg, **hooks)
     return ModelDef(cfg, dtype=precision.compute_dtype, param_dtype=precision.params_dtype,
-                    quant=policy_from_precision(precision), execution=execution, runner=runner,
-                    dispatcher=dispatcher)
+                    quant=policy_from_precision(precision), **hooks)
 
 
 def count_params(params) -> int:

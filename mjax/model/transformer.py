@@ -24,10 +24,11 @@ STACKS = ("layers", "moe_layers")  # the stacked-layer params: dense blocks, MoE
 
 class Block(nnx.Module):
     def __init__(self, cfg, *, dtype, param_dtype, quant=None, moe: bool = False, execution=None, dispatcher=None,
-                 rngs: nnx.Rngs):
+                 core_attention=None, rngs: nnx.Rngs):
         execution = execution or ExecutionConfig()
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution, rngs=rngs)
+        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution,
+                              core_attention=core_attention, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if moe:
             self.mlp = MoE(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution,
@@ -84,10 +85,11 @@ class CausalLM(nnx.Module):
     `quant` (a mjax.kernels.quant.QuantPolicy or None) is the precision policy of the linear layers."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, param_dtype=jnp.float32, quant=None, execution=None,
-                 runner=scan_runner, dispatcher=None, rngs: nnx.Rngs):
+                 runner=scan_runner, dispatcher=None, core_attention=None, rngs: nnx.Rngs):
         """execution: the kernel choices (mjax.config.ExecutionConfig; default: auto everywhere); runner: how each
         run of layers is run (remat, scan: see scan_runner); dispatcher: how MoE tokens reach their experts (see
-        mjax.model.moe.MoE; default: all experts local)."""
+        mjax.model.moe.MoE; default: all experts local); core_attention: softmax(q k^T) v over the heads (see
+        mjax.model.attention.Attention; default: dot_product_attention on whole sequences)."""
         execution = execution or ExecutionConfig()
         self.cfg, self.dtype, self.quant, self.runner = cfg, dtype, quant, runner
         self.vocab = cfg.padded_vocab_size()
@@ -104,7 +106,7 @@ class CausalLM(nnx.Module):
             if count:
                 setattr(self, name, _stacked_blocks(cfg, count, moe, dtype=dtype, param_dtype=param_dtype,
                                                     quant=quant, execution=execution, dispatcher=dispatcher,
-                                                    rngs=rngs))
+                                                    core_attention=core_attention, rngs=rngs))
         self.final_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if not tied:
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),

@@ -14,6 +14,7 @@ from mjax.sharding import logical_sharding
 from mjax.parallel.layout import Batching, describe_batching, validate_layout
 from mjax.parallel.mesh import describe, make_mesh
 from mjax.parallel.remat import LayerRunner
+from mjax.parallel.context_parallel import ContextParallelAttention, to_context_layout
 from mjax.parallel.token_dispatcher import TokenDispatcher
 from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
 from mjax.train.logger import MetricsLogger
@@ -89,9 +90,10 @@ class Setup:
         return compiled, time.perf_counter() - t0
 
     def place_batch(self, batch: dict) -> dict:
-        """Process-local numpy [local batch, seq] -> global arrays [micro-batches, batch / micro-batches, seq]."""
+        """Process-local numpy [local batch, seq] -> global arrays [micro-batches, batch / micro-batches, seq], the
+        sequence in the context-parallel token order (--cp > 1)."""
         out = {}
-        for name, x in batch.items():
+        for name, x in to_context_layout(batch, self.cfg.parallel.cp).items():
             local = x.reshape(self.micro_batches, x.shape[0] // self.micro_batches, *x.shape[1:])
             global_shape = (self.micro_batches, local.shape[1] * jax.process_count(), *x.shape[1:])
             out[name] = jax.make_array_from_process_local_data(self.batch_sharding, local, global_shape)
@@ -104,8 +106,10 @@ def build(cfg, devices=None) -> Setup:
     batching = validate_layout(cfg, len(devices))
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg)
+    p = cfg.parallel
     model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution),
-                        TokenDispatcher(cfg.parallel.moe_token_dispatcher_type, cfg.execution.moe_alltoall_impl))
+                        TokenDispatcher(p.moe_token_dispatcher_type, cfg.execution.moe_alltoall_impl),
+                        ContextParallelAttention(p.cp_comm_type, (p.hierarchical_context_parallel_sizes or (None,))[0]))
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
     tx = make_optimizer(cfg.optimizer, schedule)
     abstract_params = model.abstract_params()
@@ -130,7 +134,8 @@ def evaluate(eval_fn, params, batches, setup, fp8=None) -> float:
     total, count = 0.0, 0.0
     for batch in batches:
         placed = {k: jax.make_array_from_process_local_data(
-            sharding, v, (v.shape[0] * jax.process_count(), *v.shape[1:])) for k, v in batch.items()}
+            sharding, v, (v.shape[0] * jax.process_count(), *v.shape[1:]))
+            for k, v in to_context_layout(batch, setup.cfg.parallel.cp).items()}
         s, c = eval_fn(params, placed, fp8)
         total, count = total + float(s), count + float(c)
     return total / max(count, 1.0)

@@ -39,6 +39,19 @@ def pattern_batches(cfg, seed=0, nan_mask_at=None):
         i += 1
 
 
+def document_batches(cfg, seed=0, mean_length=50):
+    """pattern_batches' tokens packed as documents (reset positions and segment ids; ~`mean_length` tokens each,
+    boundaries anywhere, including across context-parallel chunks)."""
+    rng = np.random.default_rng(seed)
+    b, t = cfg.train.global_batch_size, cfg.train.seq_length
+    index = np.arange(t)
+    for batch in pattern_batches(cfg, seed):
+        seg = np.cumsum(rng.random((b, t)) < 1 / mean_length, axis=1).astype(np.int32)  # [B, T]
+        start = np.where(np.diff(seg, axis=1, prepend=-1) != 0, index, 0)
+        yield {**batch, "positions": (index - np.maximum.accumulate(start, axis=1)).astype(np.int32),
+               "segment_ids": seg}
+
+
 _initial_params = {}
 
 
@@ -63,11 +76,11 @@ def initial_state(setup, seed=None):
     return jax.device_put(setup.state_from_params(params, rng), setup.state_sharding)
 
 
-def run_steps(cfg, devices=None, compiler_options=FAST_COMPILE):
+def run_steps(cfg, devices=None, compiler_options=FAST_COMPILE, batches=pattern_batches):
     """(metrics of each step on the host, final state): cfg.train.train_iters steps of the training loop's compiled
-    step (Setup.compile_step) on pattern_batches(cfg), from initial_state."""
+    step (Setup.compile_step) on batches(cfg) (pattern_batches), from initial_state."""
     setup = build(cfg, devices)
-    state, data, history = initial_state(setup), pattern_batches(cfg), []
+    state, data, history = initial_state(setup), batches(cfg), []
     batch = setup.place_batch(next(data))
     step, _ = setup.compile_step(state, batch, compiler_options)
     for _ in range(cfg.train.train_iters):

@@ -1,0 +1,117 @@
+"""Context parallelism in training (8 CPU devices, sequence 256): every layout and comm type gives the single-device
+losses and parameters on packed documents under a sliding window; the compiled steps move what each comm type
+should and nothing else; activation memory falls with cp."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mjax.train.loop import build
+from tests.helpers.train_utils import FAST_COMPILE, document_batches, run_steps, tiny_config
+
+# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+pytestmark = pytest.mark.slow
+
+SEQ = 256
+SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
+# 8 heads over 2 KV heads, so that the all-to-all layouts split heads over tp x cp; window 48 < a chunk's 64 tokens
+# at cp2, > the 16 of cp8: windows within, across and beyond chunks.
+MODEL = dict(num_attention_heads=8, num_query_groups=2, window_size=48)
+DOCUMENTS = dict(reset_attention_mask=True, reset_position_ids=True)
+LAYOUTS = {
+    "cp2_dp4_p2p": dict(cp=2),
+    "cp4_tp2_p2p": dict(cp=4, tp=2),
+    "cp4_tp2_a2a+p2p": dict(cp=4, tp=2, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 2)),
+    "cp8_all_gather": dict(cp=8, cp_comm_type="all_gather"),
+    "cp8_p2p": dict(cp=8),
+    "cp2_tp2_sp_fsdp2_a2a": dict(cp=2, tp=2, sequence_parallel=True, fsdp=2, cp_comm_type="a2a"),
+    "cp2_pp2_tp2_p2p": dict(cp=2, pp=2, tp=2),
+    "cp2_pp2_tp2_all_gather": dict(cp=2, pp=2, tp=2, cp_comm_type="all_gather"),
+}
+
+
+def _config(parallel, steps=3):
+    return tiny_config(parallel=parallel, optimizer=SGD, model=MODEL, data=DOCUMENTS,
+                       train=dict(train_iters=steps, seq_length=SEQ))
+
+
+def _run(parallel, devices):
+    history, state = run_steps(_config(parallel), devices, batches=document_batches)
+    return [float(m["loss"]) for m in history], jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return _run({}, jax.devices()[:1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_device(layout, single_device):
+    """fp32 SGD, 3 steps: the losses 2e-7 apart at most, the params 5e-6 (relative); tolerances 10x and more."""
+    ref_losses, ref_params = single_device
+    losses, params = _run(LAYOUTS[layout], jax.devices())
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _compiled(parallel, devices, seq=SEQ, batch=8, model=MODEL):
+    cfg = tiny_config(parallel=parallel, model=model, data=DOCUMENTS,
+                      train=dict(seq_length=seq, global_batch_size=batch))
+    setup = build(cfg, devices)
+    shape = (1, batch, seq)
+    abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                              sharding=setup.batch_sharding)
+                      for k in ("inputs", "targets", "loss_mask", "positions", "segment_ids")}
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                         setup.state_sharding)
+    return setup.compile_step(state, abstract_batch, FAST_COMPILE)[0]
+
+
+def _collectives(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every `op` result in the HLO text (tuple results: each element)."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.match(rf"\s*(?:ROOT )?%\S+ = (.+?) {op}(?:-start)?\(", line)
+        if match:
+            found += [(d, tuple(int(x) for x in s.split(",") if x))
+                      for d, s in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))]
+    return found
+
+
+def _has_full_sequence(shape, seq=SEQ):
+    return seq in shape or any(shape[i] * shape[i + 1] == seq * 8 for i in range(len(shape) - 1))
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_each_comm_type_moves_only_what_it_should(comm):
+    """cp8 alone (no other axis splits anything, so every collective is context parallelism's or a gradient
+    reduction): p2p moves K/V by collective-permute only; all_gather gathers only K/V ([.., seq, KV heads, head
+    dim]) and segment ids; a2a exchanges by all-to-all. None gathers the residual stream or Q over the sequence."""
+    hlo = _compiled(dict(cp=8, cp_comm_type=comm), jax.devices()).as_text()
+    gathers, permutes, a2as = (_collectives(hlo, op) for op in ("all-gather", "collective-permute", "all-to-all"))
+    head_dim = 64 // MODEL["num_attention_heads"]
+    if comm == "p2p":
+        assert permutes and not gathers and not a2as, (gathers, a2as)
+        # what travels is K/V blocks ([B, seq/8, KV heads, head dim]), their segment ids, and dK/dV in fp32
+        assert {s[-2:] for d, s in permutes if d != "s32"} == {(2, head_dim)}, permutes
+    elif comm == "all_gather":
+        assert gathers and not permutes and not a2as, (permutes, a2as)
+        floats = [s for d, s in gathers if d != "s32"]
+        assert floats and all(s[-2:] == (2, head_dim) and SEQ in s for s in floats), gathers
+    else:
+        assert a2as and not permutes, permutes
+        assert all(d == "s32" for d, _ in gathers), gathers  # only the segment ids are gathered
+    assert not any(_has_full_sequence(s) and s[-1] == 64 for _, s in gathers), "the residual stream was gathered"
+
+
+def test_activation_memory_falls_with_cp():
+    """One sequence of 2048 tokens: XLA's temporaries per device at cp = 1, 2, 4 (p2p). The activations split over
+    the sequence, so each doubling of cp must at least nearly halve them (the weights here are tiny)."""
+    temp = {cp: _compiled(dict(cp=cp), jax.devices()[:cp], seq=2048, batch=1,
+                          model=dict(MODEL, window_size=None)).memory_analysis().temp_size_in_bytes
+            for cp in (1, 2, 4)}
+    assert temp[2] < 0.6 * temp[1] and temp[4] < 0.6 * temp[2], temp
