@@ -131,3 +131,26 @@ def test_validation_runs_the_split_and_checks_moe_stages_against_the_first_layer
         validate(tiny.replace(model=moe, parallel=dict(pp=2, decoder_first_pipeline_num_layers=1)))
     validate(tiny.replace(model=dict(moe, moe_first_dense_layers=0), parallel=dict(
         pp=2, decoder_first_pipeline_num_layers=1)))
+
+
+def test_megatron_spellings_of_the_layout_flags_reach_the_config():
+    from absl import flags  # noqa: PLC0415
+
+    from mjax.cli.common import parse_flags  # noqa: PLC0415
+    from mjax.config.flags import config_from_flags, define_config_flags  # noqa: PLC0415
+
+    define_config_flags()
+    try:
+        for argv, want in (
+                (["--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers=2"],
+                 dict(decoder_first_pipeline_num_layers=3, decoder_last_pipeline_num_layers=2)),
+                (["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+                 dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)),
+                (["--pipeline-model-parallel-layout", "Et*3|(tt|)*2,t|L"],
+                 dict(pipeline_model_parallel_layout="Et*3|(tt|)*2,t|L"))):
+            flags.FLAGS.unparse_flags()
+            parse_flags(["prog", "--pipeline-model-parallel-size", "2", *argv])
+            p = config_from_flags().parallel
+            assert {k: getattr(p, k) for k in want} == want
+    finally:
+        flags.FLAGS.unparse_flags()
