@@ -32,7 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.harness import matmul_ceiling_tflops, time_fn  # noqa: E402
+from benchmarks.attention_cases import DTYPE, causal_flops, inputs, rate, time_or_error  # noqa: E402
+from benchmarks.harness import matmul_ceiling_tflops  # noqa: E402
 from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
 from mjax.kernels.attention.flash import flash_attention  # noqa: E402
 from mjax.kernels.attention.flash_backward import flash_backward  # noqa: E402
@@ -54,25 +55,11 @@ flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile an
 FLAGS = flags.FLAGS
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-DTYPE = jnp.bfloat16
 TUNE_SEQ, TUNE_BATCH = 4096, 8
 WINDOW = 1024
 # --smoke: the same code paths at toy sizes; the sweep tries the first two configurations of each list (the blocks
 # clamped to the sequence), as every interpreted compile costs seconds on a CPU; --seqs, where given, replaces seqs.
 SMOKE = dict(heads=(4, 2, HEAD_DIM), tune=(128, 1), configs=2, seqs=[64, 128], tokens=128, skip_xla_bwd_over=64)
-
-
-def causal_flops(b, t, n, h, window=None):
-    """Forward FLOPs of causal attention: 2 matmuls of 2*H per visible (query, key) pair."""
-    pairs = t * t / 2 if window is None else t * min(window, t) - min(window, t) ** 2 / 2
-    return 4 * b * n * pairs * h
-
-
-def inputs(t, b, heads, seed=0):
-    n, kh, h = heads
-    ks = jax.random.split(jax.random.key(seed), 4)
-    shapes = [(b, t, n, h), (b, t, kh, h), (b, t, kh, h), (b, t, n, h)]  # q, k, v, dO
-    return [jax.random.normal(key, shape, jnp.float32).astype(DTYPE) for key, shape in zip(ks, shapes)]
 
 
 def packed_segments(b, t, seed=0):
@@ -97,19 +84,6 @@ def attention_fns(impl, blocks, interpret, window=None):
     return jax.jit(attend), jax.jit(fwd_bwd)
 
 
-def time_or_error(fn, *args):
-    try:
-        return time_fn(fn, *args, min_s=FLAGS.min_time_s), None
-    except Exception as e:  # noqa: BLE001  (one failing case, e.g. out of memory, must not end the run)
-        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
-
-def rate(row, prefix, flop, seconds, ceiling):
-    row[f"{prefix}ms"] = seconds * 1e3
-    row[f"{prefix}tflops"] = flop / seconds / 1e12
-    row[f"{prefix}of_ceiling"] = row[f"{prefix}tflops"] / ceiling
-
-
 def sweep(heads, t, b, configs, ceiling, interpret, rows):
     """The fastest forward configuration, then the fastest backward on top of it; None if no forward ran."""
     q, k, v, do = inputs(t, b, heads)
@@ -118,7 +92,8 @@ def sweep(heads, t, b, configs, ceiling, interpret, rows):
     best_fwd, best_s = None, float("inf")
     for bq, bk, w, s in FORWARD_CANDIDATES[:configs]:
         cfg = with_forward(base, (bq, bk, w, s))
-        seconds, err = time_or_error(attention_fns("pallas", cfg, interpret)[0], q, k, v, None)
+        seconds, err = time_or_error(attention_fns("pallas", cfg, interpret)[0], q, k, v, None,
+                                     min_s=FLAGS.min_time_s)
         row = {"kind": "fwd", "config": f"bq={bq} bk={bk} warps={w} stages={s}", "error": err}
         if seconds is not None:
             rate(row, "", flop, seconds, ceiling)
@@ -139,7 +114,7 @@ def sweep(heads, t, b, configs, ceiling, interpret, rows):
         cfg = with_backward(best_fwd, candidate)
         backward = jax.jit(lambda q, k, v, out, lse, do, dlse, blocks=cfg.clamp(t, t): flash_backward(
             q, k, v, None, None, out, lse, do, dlse, spec=spec, blocks=blocks, scale=scale, interpret=interpret))
-        seconds, err = time_or_error(backward, q, k, v, out, lse, do, dlse)
+        seconds, err = time_or_error(backward, q, k, v, out, lse, do, dlse, min_s=FLAGS.min_time_s)
         row = {"kind": "bwd", "config": f"dq={candidate[0]} dkv={candidate[1]}", "error": err}
         if seconds is not None:
             rate(row, "", 2.5 * flop, seconds, ceiling)
@@ -182,11 +157,11 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
                    "fwd_bwd_skipped": impl == "xla" and t > skip_xla_bwd_over}
             fwd, fwd_bwd = attention_fns(impl, blocks, interpret, window)
-            seconds, err = time_or_error(fwd, q, k, v, seg)
+            seconds, err = time_or_error(fwd, q, k, v, seg, min_s=FLAGS.min_time_s)
             if seconds is not None:
                 rate(row, "fwd_", flop, seconds, ceiling)
                 if not row["fwd_bwd_skipped"]:
-                    seconds, err = time_or_error(fwd_bwd, q, k, v, seg, do)
+                    seconds, err = time_or_error(fwd_bwd, q, k, v, seg, do, min_s=FLAGS.min_time_s)
                     if seconds is not None:
                         rate(row, "fwd_bwd_", 3.5 * flop, seconds, ceiling)
             row["error"] = err

@@ -92,7 +92,7 @@ class ContextParallelAttention:
         if a2a is None or cp % a2a:
             raise ValueError(f"--cp_comm_type=a2a+p2p needs an all-to-all group size dividing cp={cp}, got {a2a}")
         heads = tuple(rules.get("heads") or ())
-        how = _How(axis=axes[0], cp=cp, a2a=a2a, load_balanced=self.load_balanced, causal=bool(causal),
+        how = AttentionPlan(axis=axes[0], cp=cp, a2a=a2a, load_balanced=self.load_balanced, causal=bool(causal),
                    window=sliding_window, scale=scale, impl=impl, heads_axes=heads,
                    tp=int(np.prod([mesh.shape[a] for a in heads])))
         local = _allgather_attention if self.comm_type == "all_gather" else _attention
@@ -100,7 +100,8 @@ class ContextParallelAttention:
 
 
 @dataclasses.dataclass(frozen=True)
-class _How:
+class AttentionPlan:
+    """The static facts of one context-parallel attention call."""
     axis: str
     cp: int
     a2a: int  # ranks per all-to-all group (consecutive context ranks); the ring runs over cp / a2a groups
@@ -168,7 +169,7 @@ def _seg_split(seg, m: int):
     return [None] * m if seg is None else _split(seg, m)
 
 
-def _shift(tree, how: _How):
+def _shift(tree, how: AttentionPlan):
     """Every array to the next position of the ring (the same rank of the next a2a group), so each rank receives
     its predecessor's."""
     perm = [(i, (i + how.a2a) % how.cp) for i in range(how.cp)]
@@ -216,16 +217,27 @@ def _ring_forward(how, q, k, v, seg):
     for step in range(how.ring):
         theirs = how.pieces((how.ring_position() - step) % how.ring)
         arriving = _shift(held, how) if step < how.ring - 1 else None  # in flight while this block is computed
-        ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
-        for i in range(m):
-            for j in range(m):
-                block = how.attend(qs[i], ks[j], vs[j], q_segs[i], kv_segs[j], (mine[i] - theirs[j]) * c,
-                                   return_lse=True)
-                acc[i] = _merge(acc[i], block)
+        acc = ring_step_forward(how, qs, q_segs, mine, held, theirs, acc)
         held = arriving
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)  # [B, m c, N, H]
     lse = jnp.concatenate([l for _, l in acc], axis=2)  # [B, N, m c]
     return out, lse
+
+
+def ring_step_forward(how, qs, q_segs, mine, held, theirs, acc):
+    """One step of one ring position: its query chunks `qs` (global chunk ids `mine`) meet the K/V block in hand
+    `held` = (k, v, segment ids or None) holding chunks `theirs`; each (query chunk, key chunk) is one attention
+    call at offset (chunk distance x c), merged into `acc` [(out f32, lse)] per query chunk."""
+    m = len(qs)
+    c = qs[0].shape[1]
+    ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
+    acc = list(acc)
+    for i in range(m):
+        for j in range(m):
+            block = how.attend(qs[i], ks[j], vs[j], q_segs[i], kv_segs[j], (mine[i] - theirs[j]) * c,
+                               return_lse=True)
+            acc[i] = _merge(acc[i], block)
+    return acc
 
 
 def _ring_fwd(how, q, k, v, seg):
@@ -236,7 +248,6 @@ def _ring_fwd(how, q, k, v, seg):
 def _ring_bwd(how, residuals, do):
     q, k, v, seg, out, lse = residuals
     m = 2 * how.a2a
-    c = q.shape[1] // m
     mine = how.pieces(how.ring_position())
     qs, q_segs, outs, dos, lses = _split(q, m), _seg_split(seg, m), _split(out, m), _split(do, m), _split(lse, m, 2)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
@@ -245,19 +256,30 @@ def _ring_bwd(how, residuals, do):
     for step in range(how.ring):
         theirs = how.pieces((how.ring_position() - step) % how.ring)
         arriving = _shift(held, how) if step < how.ring - 1 else None
-        ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
-        dks, dvs = _split(grads[0], m), _split(grads[1], m)
-        for i in range(m):
-            for j in range(m):
-                dqi, dkj, dvj = how.block_backward(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], q_segs[i],
-                                                   kv_segs[j], (mine[i] - theirs[j]) * c)
-                dq[i] = dq[i] + dqi.astype(jnp.float32)
-                dks[j] = dks[j] + dkj.astype(jnp.float32)
-                dvs[j] = dvs[j] + dvj.astype(jnp.float32)
-        grads = _shift((jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)), how)  # the last hop: home
+        dq, grads = ring_step_backward(how, (qs, q_segs, outs, lses, dos), mine, held, theirs, dq, grads)
+        grads = _shift(grads, how)  # with the block to the next position; after the last step: home
         held = arriving
     dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
     return dq, grads[0].astype(k.dtype), grads[1].astype(v.dtype), None
+
+
+def ring_step_backward(how, queries, mine, held, theirs, dq, grads):
+    """The backward of ring_step_forward: `queries` = (q chunks, their segment ids, the merged out, lse and the
+    out's cotangent, each per chunk); adds this block's dq per query chunk to `dq` and its dK, dV (f32, the whole
+    block) to `grads`."""
+    qs, q_segs, outs, lses, dos = queries
+    m = len(qs)
+    c = qs[0].shape[1]
+    ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
+    dks, dvs, dq = _split(grads[0], m), _split(grads[1], m), list(dq)
+    for i in range(m):
+        for j in range(m):
+            dqi, dkj, dvj = how.block_backward(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], q_segs[i], kv_segs[j],
+                                               (mine[i] - theirs[j]) * c)
+            dq[i] = dq[i] + dqi.astype(jnp.float32)
+            dks[j] = dks[j] + dkj.astype(jnp.float32)
+            dvs[j] = dvs[j] + dvj.astype(jnp.float32)
+    return dq, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -327,7 +349,7 @@ def _exchange(how, x, *, to_heads: bool):
     return x.reshape(b, t // how.a2a, heads * how.a2a, h)
 
 
-def _constrain_heads(x, how: _How):
+def _constrain_heads(x, how: AttentionPlan):
     """Keeps [B, T, tp, a2a, g, H]'s tensor split on its tp dim, where the heads' split puts it."""
     if how.tp == 1:
         return x
