@@ -18,6 +18,7 @@ gradients back.
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ from mjax.model.transformer import STACKS
 from mjax.parallel.pipeline_stage import AXIS, manual
 from mjax.parallel.rules import param_shardings
 from mjax.sharding import current_logical_sharding
+
+log = logging.getLogger("mjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,8 @@ def placement(layout, pattern: tuple[bool, ...]) -> Placement:
     sizes = {name: sum(pattern) if name == "moe_layers" else len(pattern) - sum(pattern) for name in sources}
     blocks = {name: _block_tables(sources[name], sizes[name] // pp, pp) for name in sources if sizes[name] % pp == 0}
     real = np.array([[[j < len(layout.layers(s, c)) for j in range(slots)] for c in range(vpp)] for s in range(pp)])
+    log.info("uneven pipeline stages, transformer layers per device (+ per chunk): %s; every stage runs %d layer "
+             "slots per chunk, a shorter one masks the rest", layout.describe(), slots)
     return Placement(pp, vpp, sources, real, blocks)
 
 

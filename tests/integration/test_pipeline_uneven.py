@@ -98,25 +98,28 @@ def test_uneven_checkpoint_restores_at_pp1_and_at_another_split(single_device, u
     _assert_same(losses + last_loss, state.params, ref_losses, ref_params)
 
 
-MOE_ONLY = dict(num_layers=3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_dense_layers=0,
+MOE_ONLY = dict(num_layers=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_dense_layers=0,
                 moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)  # every layer MoE (as test_moe_train.py's)
 
 
 def test_uneven_moe_stages_match_single_device():
-    """MoE layers over pp2 as (1, 2), 1f1b: the masked slot of device 0 adds no aux or z-loss and no tokens to the
-    router metrics, and the per-layer loads come back in stored order (moe_load_max/min)."""
+    """4 MoE layers over pp2 as (1, 3), 1f1b: the masked slots of device 0 add no aux or z-loss and no tokens to the
+    router metrics, and the per-layer loads come back in stored order (moe_load_max/min). 4 layers divide over pp2,
+    so the stack stays in contiguous blocks and device 0 sends layer 1 to device 1 (the other placement path)."""
     def run(parallel, devices, micro):
         cfg = tiny_config(model=MOE_ONLY, parallel=parallel, optimizer=SGD,
                           train=dict(train_iters=3, global_batch_size=8, micro_batch_size=micro))
         history, state = run_steps(cfg, devices)
-        return history, jax.device_get(state.params)
+        return history, state.params
 
     ref_history, ref_params = run({}, jax.devices()[:1], 4)
     history, params = run(dict(pp=2, dp=2, decoder_first_pipeline_num_layers=1), jax.devices()[:4], 2)
+    assert params["moe_layers"]["attn"]["q_proj"]["kernel"].sharding.spec[0] == "pipeline"
     # float32: the layouts reorder reductions only (test_moe_train.py's tolerances)
     for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max", "moe_load_min"):
         np.testing.assert_allclose([r[key] for r in history], [r[key] for r in ref_history], rtol=2e-5, err_msg=key)
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0],
+                            jax.tree.leaves(jax.device_get(ref_params))):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
 
 
