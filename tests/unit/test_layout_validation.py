@@ -42,9 +42,11 @@ def test_save_interval_without_save_is_an_error():
     validate_layout(TINY.replace(checkpoint=dict(save_interval=5, save="/nonexistent/run")), 1)
 
 
-def test_context_parallelism_is_refused_as_not_implemented():
-    with pytest.raises(ConfigError, match=r"--cp=2.*context parallelism.*not implemented"):
-        validate_layout(TINY.replace(parallel=dict(cp=2)), 2)
+def test_context_parallelism_takes_devices_from_data_parallelism():
+    batching = validate_layout(TINY.replace(parallel=dict(cp=2)), 8)
+    assert batching.shards == 4
+    with pytest.raises(ConfigError, match=r"cannot be split"):
+        validate_layout(TINY.replace(parallel=dict(cp=3), train=dict(seq_length=96)), 8)
 
 
 def test_sequence_parallel_without_tp_logs_one_warning(mjax_warnings):
