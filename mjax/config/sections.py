@@ -138,6 +138,10 @@ class DataConfig:
     eod_mask_loss: bool = field(False, "eod_mask_loss")
     reset_position_ids: bool = field(False, "reset_position_ids")
     reset_attention_mask: bool = field(False, "reset_attention_mask", "Segment ids at document boundaries.")
+    balance_attention_work: bool = field(
+        True, "balance_attention_work", "With --reset_attention_mask: order the documents of each row and the rows "
+        "of each batch so that every context- and data-parallel rank has the same attention work (the loss is "
+        "unchanged); attention_imbalance is logged either way.")
     data_cache_path: str | None = field(None, "data_cache_path")
     prefetch: int = field(2, help="Batches prepared ahead in a background thread.")
 

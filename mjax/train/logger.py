@@ -19,7 +19,8 @@ log = logging.getLogger("mjax")
 CONSOLE_FIELDS = (("loss", "{:.4f}"), ("grad_norm", "{:.3f}"), ("lr", "{:.3e}"), ("step_time_s", "{:.3f}s"),
                   ("tokens_per_s", "{:,.0f}"), ("tflops_per_device", "{:.3g}"), ("mfu", "{:.1%}"),
                   ("peak_memory_bytes", "{}"), ("moe_aux_loss", "{:.4g}"), ("moe_z_loss", "{:.4g}"),
-                  ("moe_load_max", "{:.2f}"), ("moe_load_min", "{:.2f}"), ("moe_dropped_fraction", "{:.2%}"))
+                  ("moe_load_max", "{:.2f}"), ("moe_load_min", "{:.2f}"), ("moe_dropped_fraction", "{:.2%}"),
+                  ("attention_imbalance", "{:.3f}"))
 
 
 def _format(key: str, fmt: str, value) -> str:

@@ -14,6 +14,7 @@ from mjax.sharding import logical_sharding
 from mjax.parallel.layout import Batching, describe_batching, validate_layout
 from mjax.parallel.mesh import describe, make_mesh
 from mjax.parallel.remat import LayerRunner
+from mjax.parallel.attention_balance import balance_batch, imbalance, token_work
 from mjax.parallel.context_parallel import ContextParallelAttention, to_context_layout
 from mjax.parallel.token_dispatcher import TokenDispatcher
 from mjax.parallel.rules import batch_sharding, logical_rules, param_shardings, state_shardings
@@ -53,6 +54,7 @@ class Setup:
     batch_sharding: object
     batching: Batching
     abstract_state: object
+    batch_stats: dict = dataclasses.field(default_factory=dict)  # of the batch place_batch placed last
 
     @property
     def micro_batches(self) -> int:
@@ -91,9 +93,18 @@ class Setup:
 
     def place_batch(self, batch: dict) -> dict:
         """Process-local numpy [local batch, seq] -> global arrays [micro-batches, batch / micro-batches, seq], the
-        sequence in the context-parallel token order (--cp > 1)."""
-        out = {}
-        for name, x in to_context_layout(batch, self.cfg.parallel.cp).items():
+        sequence in the context-parallel token order (--cp > 1). Packed documents are first balanced over the
+        ranks by attention work (mjax/parallel/attention_balance.py); the imbalance goes to `batch_stats`."""
+        cfg, out = self.cfg, {}
+        bins = next(iter(batch.values())).shape[0] // self.batching.micro_batch_size
+        if cfg.data.reset_attention_mask and (cfg.parallel.cp > 1 or bins > 1):
+            window = cfg.model.window_size
+            if cfg.data.balance_attention_work:
+                batch, self.batch_stats = balance_batch(batch, cp=cfg.parallel.cp, bins=bins, window=window)
+            else:
+                value = imbalance(token_work(batch["segment_ids"], window), cfg.parallel.cp, bins)
+                self.batch_stats = {"attention_imbalance": value, "attention_imbalance_before": value}
+        for name, x in to_context_layout(batch, cfg.parallel.cp).items():
             local = x.reshape(self.micro_batches, x.shape[0] // self.micro_batches, *x.shape[1:])
             global_shape = (self.micro_batches, local.shape[1] * jax.process_count(), *x.shape[1:])
             out[name] = jax.make_array_from_process_local_data(self.batch_sharding, local, global_shape)
@@ -201,7 +212,7 @@ def _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals) -
             if signals.requested(start):
                 log.warning("stopping before step %d on a signal: nothing trained, nothing to save", start + 1)
                 return TrainResult(state, history, eval_history, start)
-            first = setup.place_batch(next(train_iter))
+            first, stats = setup.place_batch(next(train_iter)), setup.batch_stats
             compiled, compile_s = setup.compile_step(state, first)
             log.info("compiled the train step in %.1fs", compile_s)
             log_compiled_memory(compiled)
@@ -211,13 +222,15 @@ def _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals) -
             batch, last_t, last_step = first, time.perf_counter(), start
             for step in range(start + 1, cfg.train.train_iters + 1):
                 state, metrics = compiled(state, batch)
+                used = stats  # the balance of this step's batch
                 if step < cfg.train.train_iters:
-                    batch = setup.place_batch(next(train_iter))
+                    batch, stats = setup.place_batch(next(train_iter)), setup.batch_stats
                 if step % cfg.logging.log_interval == 0 or step == cfg.train.train_iters:
                     metrics = jax.device_get(metrics)
                     now = time.perf_counter()
                     step_time = (now - last_t) / (step - last_step)
                     record = _record(step, metrics, state, step_time, cfg, flops, peak, setup.mesh.size, compile_s)
+                    record.update(used)
                     last_t, last_step = now, step
                     _check_finite(state, cfg)
                     history.append(record)

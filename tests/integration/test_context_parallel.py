@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mjax.train.loop import build
-from tests.helpers.train_utils import FAST_COMPILE, document_batches, run_steps, tiny_config
+from mjax.train.loop import build, train
+from tests.helpers.train_utils import FAST_COMPILE, document_batches, initial_state, run_steps, tiny_config
 
 # Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
 pytestmark = pytest.mark.slow
@@ -115,3 +115,13 @@ def test_activation_memory_falls_with_cp():
                           model=dict(MODEL, window_size=None)).memory_analysis().temp_size_in_bytes
             for cp in (1, 2, 4)}
     assert temp[2] < 0.6 * temp[1] and temp[4] < 0.6 * temp[2], temp
+
+
+def test_training_logs_the_attention_imbalance_it_removed():
+    """cp2 x dp4 on packed documents: every logged step carries the balance of the batch it trained on, the
+    busiest rank's attention work over the mean's, as balanced and as loaded."""
+    cfg = _config(dict(cp=2), steps=2)
+    result = train(cfg, data=(document_batches(cfg, mean_length=30), None), state=initial_state(build(cfg)))
+    for record in result.history:
+        assert 1.0 <= record["attention_imbalance"] < record["attention_imbalance_before"], record
+
