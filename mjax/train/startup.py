@@ -38,6 +38,10 @@ def log_startup(setup, state, flops: float) -> None:
              m.vocab_size, setup.model.vocab_size)
     log.info("mesh %s over %d %s devices; micro-batches per step %d", describe(setup.mesh), setup.mesh.size,
              jax.devices()[0].platform, setup.micro_batches)
+    p = cfg.parallel
+    if p.cp > 1:
+        log.info("context parallelism: each device holds %d of every sequence's %d tokens (load-balanced chunks), "
+                 "attention by %s", cfg.train.seq_length // p.cp, cfg.train.seq_length, p.cp_comm_type)
     log.info("precision: %s; %.3f TFLOP per step (Megatron formula)", precision_summary(cfg.precision), flops / 1e12)
     a, s = setup.abstract_state, setup.state_sharding
     params_b = bytes_per_device(a.params, s.params)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import build, train
+from tests.helpers.lockstep import assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, document_batches, initial_state, run_steps, tiny_config
 
 # Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
@@ -33,13 +34,13 @@ LAYOUTS = {
 }
 
 
-def _config(parallel, steps=3):
-    return tiny_config(parallel=parallel, optimizer=SGD, model=MODEL, data=DOCUMENTS,
+def _config(parallel, steps=3, model=MODEL):
+    return tiny_config(parallel=parallel, optimizer=SGD, model=model, data=DOCUMENTS,
                        train=dict(train_iters=steps, seq_length=SEQ))
 
 
-def _run(parallel, devices):
-    history, state = run_steps(_config(parallel), devices, batches=document_batches)
+def _run(parallel, devices, model=MODEL):
+    history, state = run_steps(_config(parallel, model=model), devices, batches=document_batches)
     return [float(m["loss"]) for m in history], jax.device_get(state.params)
 
 
@@ -56,6 +57,28 @@ def test_layout_matches_single_device(layout, single_device):
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_moe_with_expert_parallelism_matches_single_device():
+    """cp2 x ep2 x dp2: the token dispatcher's exchange over `expert` beside the ring over `context`."""
+    moe = dict(MODEL, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+    (ref_losses, ref_params), (losses, params) = (_run(p, d, moe) for p, d in (({}, jax.devices()[:1]),
+                                                                               (dict(cp=2, ep=2), jax.devices())))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+
+
+def test_fp8_takes_the_single_device_steps():
+    """Delayed FP8 with cp2 x tp2: two steps in lockstep from the single-device state, within the FP8 noise floor
+    of the other layouts' FP8 comparisons (test_pipeline, test_fp8_train)."""
+    def cfg(parallel):
+        return tiny_config(model=MODEL, parallel=parallel, train=dict(train_iters=2, seq_length=SEQ),
+                           precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
+
+    steps = lockstep(cfg({}), cfg(dict(cp=2, tp=2)), jax.devices()[:1], jax.devices()[:4],
+                     compiler_options=FAST_COMPILE)
+    assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
 
 
 def _compiled(parallel, devices, seq=SEQ, batch=8, model=MODEL):
