@@ -170,3 +170,117 @@ def _tables(rows, pp, vpp, f_done, b_done) -> Tables:
                     stash[s].give(slot)
     size = lambda pools: max(1, max(p.size for p in pools))  # noqa: E731
     return Tables(**arrays, received=size(received), grads=size(grads), stash=size(stash))
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleTables:
+    """[ticks, pp] int32 tables of ZB-H1; -1 where a device does nothing. A tick runs one operation per device: F
+    (forward; f_input: slot in `received` or -1 for the embedding, f_stash: where its input is kept until W), B (input
+    gradient; b_input: slot in `grads` or -1 for the loss, b_stash: the kept input, b_keep: slot in `kept` where its
+    output gradient waits for W) or W (weight gradient; w_stash, w_keep: the input and output gradient it reads and
+    frees). f_arrive / b_arrive as in Tables."""
+    f_micro: np.ndarray
+    f_input: np.ndarray
+    f_stash: np.ndarray
+    b_micro: np.ndarray
+    b_input: np.ndarray
+    b_stash: np.ndarray
+    b_keep: np.ndarray
+    w_micro: np.ndarray
+    w_stash: np.ndarray
+    w_keep: np.ndarray
+    f_arrive: np.ndarray
+    b_arrive: np.ndarray
+    received: int  # slots of the activation buffer
+    grads: int  # slots of the arriving-gradient buffer
+    stash: int  # slots of the stage-input buffer (an input waits from its F to its W)
+    kept: int  # slots of the output gradients waiting from their B to their W
+
+    def bubble(self) -> float:
+        """The idle share of the devices' time, every tick lasting one F, B or W (the paper's T_F = T_B = T_W)."""
+        busy = sum((getattr(self, f"{op}_micro") >= 0).sum() for op in "fbw")
+        return float(1 - busy / self.f_micro.size)
+
+    def phases(self) -> list[tuple[bool, bool, bool, int, int]]:
+        """At most three spans of ticks, (forward, input grad, weight grad, start, stop): up to the first W, up to the
+        last F, the rest, each with every kind of operation run in it. Each span is one scan whose tick runs those
+        kinds (masked on the devices doing something else); the finer runs of ZB-H1 (a dozen at pp = 4) would each
+        compile a tick of their own."""
+        ran = {op: (getattr(self, f"{op}_micro") >= 0).any(1) for op in "fbw"}
+        ticks = len(ran["f"])
+        cuts = sorted({0, int(np.argmax(ran["w"])), int(ticks - np.argmax(ran["f"][::-1])), ticks})
+        return [(*(bool(ran[op][a:b].any()) for op in "fbw"), a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+@functools.cache
+def zero_bubble(pp: int, num: int) -> ZeroBubbleTables:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) over `num` >= pp micro-batches: the backward split
+    into B (the input gradient, which the previous stage waits for) and W (the weight gradient, which nobody waits
+    for). Each tick a device runs, in this order of preference, the oldest B whose output gradient is there; else its
+    next F, if fewer than pp - s forwards wait for their B (1F1B's warm-up on device s) and fewer than 2 pp - 1 inputs
+    wait for their W (the stash of 1F1B's tables); else the oldest W whose B is done. So the W passes fill what would
+    be the cool-down bubble, and the idle share is (pp - 1) / (3 M + pp - 1), a third of 1F1B's in its units."""
+    if num < pp:
+        raise ValueError(f"ZB-H1 needs at least --pp={pp} micro-batches, got {num}")
+    never = 1 << 30
+    done = {op: {} for op in "FBW"}  # op -> (device, micro) -> tick
+    forwards, rows, t = [0] * pp, [], 0
+    while len(done["W"]) < pp * num:
+        row = []
+        for s in range(pp):
+            started = [m for m in range(forwards[s])]
+            waiting_b = [m for m in started if (s, m) not in done["B"]]
+            ready_b = [m for m in waiting_b if (done["F"][s, m] if s == pp - 1 else done["B"].get((s + 1, m), never))
+                       < t]
+            waiting_w = [m for m in started if (s, m) in done["B"] and (s, m) not in done["W"]]
+            f_ok = (forwards[s] < num and len(waiting_b) < pp - s and len(waiting_b) + len(waiting_w) < 2 * pp - 1
+                    and (s == 0 or done["F"].get((s - 1, forwards[s]), never) < t))
+            row.append(("B", ready_b[0]) if ready_b else ("F", forwards[s]) if f_ok else
+                       ("W", waiting_w[0]) if waiting_w else None)
+        for s, op in enumerate(row):
+            if op is not None:
+                done[op[0]][s, op[1]] = t
+                forwards[s] += op[0] == "F"
+        rows.append(row)
+        t += 1
+        if t > 4 * (3 * num + pp):
+            raise RuntimeError(f"the ZB-H1 schedule of pp={pp} M={num} does not finish")
+    return _zero_bubble_tables(rows, pp)
+
+
+def _zero_bubble_tables(rows, pp) -> ZeroBubbleTables:
+    names = ("f_micro", "f_input", "f_stash", "b_micro", "b_input", "b_stash", "b_keep", "w_micro", "w_stash",
+             "w_keep", "f_arrive", "b_arrive")
+    arrays = {k: np.full((len(rows), pp), -1, np.int32) for k in names}
+    pools = {k: [_Slots() for _ in range(pp)] for k in ("received", "grads", "stash", "kept")}
+    waiting_f, waiting_b, stashed, kept = {}, {}, {}, {}  # (device, micro) -> slot
+    for t, row in enumerate(rows):
+        for s, op in enumerate(rows[t - 1] if t > 0 else ()):  # last tick's hand-offs arrive
+            if op is not None and op[0] == "F" and s < pp - 1:
+                waiting_f[s + 1, op[1]] = arrays["f_arrive"][t, s + 1] = pools["received"][s + 1].take()
+            if op is not None and op[0] == "B" and s > 0:
+                waiting_b[s - 1, op[1]] = arrays["b_arrive"][t, s - 1] = pools["grads"][s - 1].take()
+        for s, op in enumerate(row):
+            if op is None:
+                continue
+            kind, m = op
+            if kind == "F":
+                arrays["f_micro"][t, s] = m
+                if (s, m) in waiting_f:
+                    arrays["f_input"][t, s] = slot = waiting_f.pop((s, m))
+                    pools["received"][s].give(slot)
+                stashed[s, m] = arrays["f_stash"][t, s] = pools["stash"][s].take()
+            elif kind == "B":
+                arrays["b_micro"][t, s], arrays["b_stash"][t, s] = m, stashed[s, m]
+                if (s, m) in waiting_b:
+                    arrays["b_input"][t, s] = slot = waiting_b.pop((s, m))
+                    pools["grads"][s].give(slot)
+                kept[s, m] = arrays["b_keep"][t, s] = pools["kept"][s].take()
+            else:
+                arrays["w_micro"][t, s] = m
+                arrays["w_stash"][t, s] = slot = stashed.pop((s, m))
+                pools["stash"][s].give(slot)
+                arrays["w_keep"][t, s] = slot = kept.pop((s, m))
+                pools["kept"][s].give(slot)
+    size = {k: max(1, max(p.size for p in v)) for k, v in pools.items()}
+    return ZeroBubbleTables(**arrays, **size)
