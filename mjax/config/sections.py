@@ -18,8 +18,8 @@ class ParallelConfig:
     pp: int = field(1, "pp", "Pipeline-parallel size.")
     vpp: int = field(1, "vpp", "Virtual pipeline stages per device (Megatron's interleaved schedule).")
     pipeline_schedule: str | None = field(
-        None, "pipeline_schedule", "gpipe | 1f1b | interleaved_1f1b | interleaved (both need --vpp > 1); unset: "
-        "interleaved_1f1b when --vpp > 1, else 1f1b (docs/parallelism.md).")
+        None, "pipeline_schedule", "gpipe | 1f1b | zero_bubble (ZB-H1, --vpp=1) | interleaved_1f1b | interleaved (both "
+        "need --vpp > 1); unset: interleaved_1f1b when --vpp > 1, else 1f1b (docs/parallelism.md).")
     decoder_first_pipeline_num_layers: int | None = field(
         None, "decoder_first_pipeline_num_layers", "Transformer layers of the first pipeline stage (Megatron's uneven "
         "split); the other stages split the rest evenly.")

@@ -11,7 +11,7 @@ from mjax.kernels import options as kernels
 
 REMAT_NAMES = ("qkv_proj", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden", "mlp_out", "norm",
                kernels.FP8_CAST, *MOE_REMAT_NAMES)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED = ("interleaved_1f1b", "interleaved")  # the schedules with --vpp > 1 chunks per device
 log = logging.getLogger("mjax")
 
@@ -260,6 +260,16 @@ def validate_pipeline(cfg: Config) -> None:
     if p.pp > 1 and pipeline_schedule(p) in INTERLEAVED and p.vpp == 1:
         raise ConfigError(f"--pipeline_schedule={pipeline_schedule(p)} needs --vpp >= 2 virtual stages per device; "
                           "with --vpp=1 use gpipe or 1f1b")
+    if p.pp > 1 and pipeline_schedule(p) == "zero_bubble":
+        quantized = cfg.precision.fp8_recipe is not None or cfg.precision.fp4_recipe is not None
+        unsupported = {"--num_experts (MoE layers)": cfg.model.num_experts is not None,
+                       "--fp8_recipe / --fp4_recipe": quantized,
+                       "uneven stages (--decoder_first/last_pipeline_num_layers, --account_for_*_in_pipeline_split, "
+                       "--pipeline_model_parallel_layout)": not stage_layout(p, layers).even}
+        for what, bad in unsupported.items():
+            if bad:
+                raise ConfigError(f"--pipeline_schedule=zero_bubble does not support {what} yet: use "
+                                  "--pipeline_schedule=1f1b")
 
 
 def pipeline_schedule(p) -> str:

@@ -14,6 +14,9 @@ Schedules (`--pipeline_schedule`), with M micro-batches per step and pp stages:
                (pp - 1) / (vpp M + pp - 1).
   interleaved  the same chunks, micro-batches going round the ring of devices vpp times in GPipe order (every
                activation kept). Bubble (pp - 1) / (vpp M + pp - 1).
+  zero_bubble  ZB-H1: the backward split into input and weight gradients, the weight gradients run where 1F1B idles
+               (pipeline_zero_bubble.py). Memory bounded as 1f1b's; bubble (pp - 1) / (3 M + pp - 1) in ticks of
+               one F, B or W.
 
 Layer placement: the train state and checkpoints keep the stacked layers as [num_layers, ...], sharded in
 contiguous blocks over `pipeline`, so they restore onto any pp/vpp and the shard_maps take them as they are. With
@@ -36,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from mjax.config.pipeline_layout import stage_layout
 from mjax.config.validate import pipeline_schedule
 from mjax.sharding import current_logical_sharding
-from mjax.parallel import pipeline_1f1b, pipeline_placement
+from mjax.parallel import pipeline_1f1b, pipeline_placement, pipeline_zero_bubble
 from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
                                           my_chunks, per_stage_zeros, run_layers, shift, split_params,
                                           stored_order_sums)
@@ -47,6 +50,8 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
     """The share of each device's time a schedule leaves idle, with equal stages."""
     if schedule in ("interleaved", "interleaved_1f1b"):
         return (pp - 1) / (vpp * num_micro + pp - 1)
+    if schedule == "zero_bubble":  # ticks of one F, B or W each
+        return (pp - 1) / (3 * num_micro + pp - 1)
     return (pp - 1) / (num_micro + pp - 1)
 
 
@@ -60,7 +65,10 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
     plan = uneven_placement(model, pcfg)
-    if pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
+    if pipeline_schedule(pcfg) == "zero_bubble":
+        grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_zero_bubble.run(
+            model, token_loss, use_segments, pp, stacks, rest, batch, weight)
+    elif pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
         grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(
             model, token_loss, use_segments, pp, vpp, stacks, rest, batch, weight, moe_weight, split_params(fp8 or {}),
             plan)

@@ -1,0 +1,118 @@
+"""The zero-bubble schedule ZB-H1 (--pipeline_schedule=zero_bubble, vpp = 1): the backward of each stage split into B,
+the input gradient the previous stage waits for, and W, the weight gradient nobody waits for, which the tables
+(pipeline_tables.zero_bubble) run where 1F1B would idle. Each tick a device runs one of F, B, W (one shard_map
+manual over `pipeline`, as pipeline_1f1b.py); F hands its output to the next device, B its input gradient to the
+previous one, by ppermute.
+
+B and W both recompute the stage's forward from its kept input, as 1F1B's backward slot does: B takes the vjp with
+respect to the input only, W the vjp with respect to the layers only (so neither computes the other's product).
+Keeping the vjp's residuals from B for W instead would hold every pending W's full layer activations, which is what
+the recompute exists to avoid; the price is a third forward of every stage per micro-batch (1F1B: two).
+
+Memory: a stage keeps its inputs from F to W (the tables' `stash`, at most 2 pp - 1 as 1F1B's tables) and the output
+gradient of each B until its W (`kept`, at most as many), so activation memory does not grow with the micro-batches.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mjax.parallel.pipeline_stage import AXIS, embed, head, manual, micro_at, per_stage_zeros, run_layers, shift
+from mjax.parallel.pipeline_tables import zero_bubble
+
+ROWS = ("f_micro", "f_input", "f_stash", "b_micro", "b_input", "b_stash", "b_keep", "w_micro", "w_stash", "w_keep",
+        "f_arrive", "b_arrive")
+
+
+def run(model, token_loss, use_segments, pp, layers, rest, batch, weight):
+    """Gradients of weight x the summed loss of the micro-batches in `batch` ([M, B, T] arrays). layers: the stacked
+    layers {"layers": [L, ...]} (sharded over `pipeline`, each device's block its stage); rest: the other params.
+    Returns (grads, {} (no FP8 amaxes), loss sum, z sum, the tables' bubble, {} (no MoE sums))."""
+    tables = zero_bubble(pp, batch["inputs"].shape[0])
+    table = {k: jnp.asarray(getattr(tables, k)) for k in ROWS}  # [ticks, pp]
+    x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
+    f32 = lambda tree, *lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), jnp.float32), tree)  # noqa: E731
+    carry = {"f_arriving": per_stage_zeros(pp, x), "b_arriving": per_stage_zeros(pp, x),  # [pp, B, T, D]
+             "received": per_stage_zeros(pp, x, tables.received), "grads": per_stage_zeros(pp, x, tables.grads),
+             "stash": per_stage_zeros(pp, x, tables.stash), "kept": per_stage_zeros(pp, x, tables.kept),
+             "d_head": f32(rest, pp), "loss": jnp.zeros((pp,)), "z": jnp.zeros((pp,))}  # [pp, slots, B, T, D]
+
+    def slot(i):
+        return jnp.maximum(i, 0)
+
+    def stage_out(stacks, x, micro):
+        return run_layers(model, stacks, x, micro, use_segments)[0]
+
+    def arrive(c, row):  # what the neighbours sent last tick, into its buffer slot (dropped at -1)
+        for buffer, arriving, at in (("received", "f_arriving", row["f_arrive"]), ("grads", "b_arriving",
+                                                                                     row["b_arrive"])):
+            c[buffer] = c[buffer].at[slot(at)].set(jnp.where(at >= 0, c[arriving], c[buffer][slot(at)]))
+
+    def forward(c, stacks, first, row, batch):
+        micro = micro_at(batch, slot(row["f_micro"]))
+        x = jnp.where(row["f_input"] >= 0, c["received"][slot(row["f_input"])], first)
+        keep = slot(row["f_stash"])
+        c["stash"] = c["stash"].at[keep].set(jnp.where(row["f_micro"] >= 0, x, c["stash"][keep]))
+        c["f_arriving"] = shift(stage_out(stacks, x, micro), pp, +1)
+
+    def input_grad(s, c, stacks, rest, row, batch, weight):  # B
+        valid = row["b_micro"] >= 0
+        last = valid & (s == pp - 1)
+        micro = micro_at(batch, slot(row["b_micro"]))
+        y, x_vjp = jax.vjp(lambda x: stage_out(stacks, x, micro), c["stash"][slot(row["b_stash"])])
+        total, head_vjp, z = jax.vjp(lambda r, y: head(model, token_loss, r, y, micro), rest, y, has_aux=True)
+        d_rest, dy = head_vjp(jnp.where(last, weight, 0.0).astype(total.dtype))
+        dy = jnp.where(valid, jnp.where(last, dy, c["grads"][slot(row["b_input"])]), 0.0).astype(y.dtype)
+        (dx,) = x_vjp(dy)
+        keep = slot(row["b_keep"])
+        c["kept"] = c["kept"].at[keep].set(jnp.where(valid, dy, c["kept"][keep]))
+        c["d_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["d_head"], d_rest)
+        c["loss"] += jnp.where(last, total, 0.0)
+        c["z"] += jnp.where(last, z, 0.0)
+        c["b_arriving"] = shift(dx, pp, -1)
+        return dx
+
+    def weight_grad(c, d_stacks, stacks, row, batch):  # W: an idle device's dy is 0, so it adds nothing
+        micro = micro_at(batch, slot(row["w_micro"]))
+        dy = jnp.where(row["w_micro"] >= 0, c["kept"][slot(row["w_keep"])], 0.0)
+        _, w_vjp = jax.vjp(lambda w: stage_out(w, c["stash"][slot(row["w_stash"])], micro), stacks)
+        (d_block,) = w_vjp(dy)
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_stacks, d_block)
+
+    def tick_fn(do_forward, do_input, do_weight):
+        def stage(stacks, rest, carry, d_stacks, first, rows, batch, weight):  # inside shard_map
+            s = jax.lax.axis_index(AXIS)
+            c, row = jax.tree.map(lambda a: a[0], carry), jax.tree.map(lambda a: a[s], rows)
+            arrive(c, row)
+            dx = jnp.zeros_like(c["f_arriving"])
+            if do_forward:
+                forward(c, stacks, first, row, batch)
+            if do_input:
+                dx = input_grad(s, c, stacks, rest, row, batch, weight)
+            if do_weight:
+                d_stacks = weight_grad(c, d_stacks, stacks, row, batch)
+            return jax.tree.map(lambda a: a[None], c), d_stacks, dx[None]
+
+        run_stage = manual(stage, (P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P(), P()), (P(AXIS),) * 3)
+
+        def tick(state, t):
+            carry, d_stacks, d_embed = state
+            rows = jax.tree.map(lambda a: a[t], table)  # [pp] each
+            first = (embed(model, rest, micro_at(batch, slot(rows["f_micro"][0]))) if do_forward
+                     else jnp.zeros(x.shape, x.dtype))  # device 0's input
+            carry, d_stacks, dx = run_stage(layers, rest, carry, d_stacks, first, rows, batch, weight)
+            if do_input:  # device 0's input gradient flows into the embedding lookup
+                into = (rows["b_micro"][0] >= 0).astype(dx.dtype)
+                micro = micro_at(batch, slot(rows["b_micro"][0]))
+                _, embed_vjp = jax.vjp(lambda r: embed(model, r, micro), rest)
+                d_embed = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_embed, embed_vjp(dx[0] * into)[0])
+            return (carry, d_stacks, d_embed), None
+
+        return tick
+
+    state = (carry, f32(layers), f32(rest))
+    for do_forward, do_input, do_weight, start, stop in tables.phases():
+        state, _ = jax.lax.scan(tick_fn(do_forward, do_input, do_weight), state, jnp.arange(start, stop))
+    carry, d_layers, d_embed = state
+    d_rest = jax.tree.map(lambda h, e: h.sum(0) + e, carry["d_head"], d_embed)
+    return {**d_rest, **d_layers}, {}, jnp.sum(carry["loss"]), jnp.sum(carry["z"]), tables.bubble(), {}
