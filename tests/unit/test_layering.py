@@ -17,6 +17,7 @@ LAYERS = (
     ("data", ("mjax.data",)),
     ("storage", ("mjax.storage",)),
     ("train", ("mjax.train",)),
+    ("plan", ("mjax.plan",)),
     ("uses", ("mjax.convert", "mjax.inference")),
     ("cli", ("mjax.cli",)),
     ("package", ("mjax",)),  # mjax/__init__.py: the top-level API (load_pretrained)
