@@ -34,6 +34,12 @@ def layouts(n: int) -> dict:
         out[f"tp2 sp dp{n // 2}"] = dict(tp=2, sequence_parallel=True)
         out[f"tp2 fsdp{n // 2}"] = dict(tp=2, fsdp=n // 2)
         out[f"pp2 dp{n // 2}"] = dict(pp=2)
+        for comm in ("p2p", "all_gather", "a2a"):  # context parallelism, each comm type (8 heads: a2a up to cp8)
+            out[f"cp{n} {comm}"] = dict(cp=n, cp_comm_type=comm)
+    if n >= 4:
+        out[f"cp{n} a2a+p2p"] = dict(cp=n, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, n // 2))
+        out[f"cp2 tp2 sp dp{n // 4}"] = dict(cp=2, tp=2, sequence_parallel=True)
+        out[f"cp2 pp2 dp{n // 4}"] = dict(cp=2, pp=2)
     return out
 
 

@@ -8,6 +8,7 @@ from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.attention.reference import cached_attention, make_mask, reference_attention
 from mjax.kernels.options import ATTN_CORE
 
-__all__ = ["ATTN_CORE", "HALF_DTYPES", "IMPLS", "AttentionUnsupported", "attention_block_backward", "cached_attention", "check_call",
-           "choose_impl", "cudnn_forward_primitives", "dot_product_attention", "make_mask", "reference_attention",
+__all__ = ["ATTN_CORE", "HALF_DTYPES", "IMPLS", "AttentionUnsupported", "attention_block_backward", "cached_attention",
+           "check_call", "choose_impl",
+           "cudnn_forward_primitives", "dot_product_attention", "make_mask", "reference_attention",
            "why_unsupported"]
