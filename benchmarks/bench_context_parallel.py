@@ -44,9 +44,9 @@ FLAGS = flags.FLAGS
 HEADS = (32, 8, 128)
 
 
-def _plan(cp, balanced, impl, skip_invisible=True):
+def _plan(cp, balanced, impl):
     return AttentionPlan(axis="context", cp=cp, a2a=1, load_balanced=balanced, causal=True, window=None, scale=None,
-                         impl=impl, heads_axes=(), tp=1, skip_invisible=skip_invisible)
+                         impl=impl, heads_axes=(), tp=1)
 
 
 def _chunks(x, chunks, c):  # [B, T, ...] -> [B, 2c, ...]: the two chunks, in order
@@ -138,24 +138,22 @@ def main():
               f"{row.get('fwd_bwd_tflops', float('nan')):8.4g} TFLOP/s", flush=True)
 
     cp = cps[0]
-    print(f"\n2. rank 0 of a load-balanced ring, cp={cp} (1/cp of the work, as {cp} steps of 4 block calls; blocks no "
-          "query sees skipped, or run as empty grids)", flush=True)
+    print(f"\n2. rank 0 of a load-balanced ring, cp={cp} (1/cp of the work, as {cp} steps of 4 kernel calls)",
+          flush=True)
+    forward, forward_backward, step, zeros = ring_fns(_plan(cp, True, impl), t // (2 * cp))
+    row = report["ring"]
     rank = jnp.int32(0)
-    for skip in (True, False):
-        forward, forward_backward, _, _ = ring_fns(_plan(cp, True, impl, skip), t // (2 * cp))
-        row = report["ring"] if skip else report.setdefault("ring_no_skip", {})
-        for prefix, fn, args, flop in (("fwd_", forward, (q, k, v, rank), total / cp),
-                                       ("fwd_bwd_", forward_backward, (q, k, v, do, rank), 3.5 * total / cp)):
-            seconds, err = time_or_error(fn, *args, min_s=FLAGS.min_time_s)
-            row[f"{prefix}error"] = err
-            if seconds is not None:
-                rate(row, prefix, flop, seconds, ceiling)
-                one = report["one_kernel"]["pallas"].get(f"{prefix}tflops")
-                row[f"{prefix}of_one_kernel"] = row[f"{prefix}tflops"] / one if one else None
-        fwd, both = row.get("fwd_tflops", float("nan")), row.get("fwd_bwd_tflops", float("nan"))
-        label = "skipped" if skip else "empty grids"
-        print(f"  {label:12} fwd {fwd:8.4g} TFLOP/s = {row.get('fwd_of_one_kernel') or 0:.1%} of one kernel;  "
-              f"f+b {both:8.4g} TFLOP/s = {row.get('fwd_bwd_of_one_kernel') or 0:.1%} (target >= 90%)", flush=True)
+    for prefix, fn, args, flop in (("fwd_", forward, (q, k, v, rank), total / cp),
+                                   ("fwd_bwd_", forward_backward, (q, k, v, do, rank), 3.5 * total / cp)):
+        seconds, err = time_or_error(fn, *args, min_s=FLAGS.min_time_s)
+        row[f"{prefix}error"] = err
+        if seconds is not None:
+            rate(row, prefix, flop, seconds, ceiling)
+            one = report["one_kernel"]["pallas"].get(f"{prefix}tflops")
+            row[f"{prefix}of_one_kernel"] = row[f"{prefix}tflops"] / one if one else None
+    print(f"  fwd {row.get('fwd_tflops', float('nan')):8.4g} TFLOP/s = {row.get('fwd_of_one_kernel') or 0:.1%} of "
+          f"one kernel;  f+b {row.get('fwd_bwd_tflops', float('nan')):8.4g} TFLOP/s = "
+          f"{row.get('fwd_bwd_of_one_kernel') or 0:.1%} (target >= 90%)", flush=True)
 
     print("\n3. ring time = sum over steps of the slowest rank's step (forward + backward)", flush=True)
     for cp in cps:

@@ -112,7 +112,6 @@ class AttentionPlan:
     impl: str
     heads_axes: tuple
     tp: int  # the heads' shards (tensor parallelism): the all-to-all keeps them
-    skip_invisible: bool = True  # False: every block runs (an empty grid where no query sees a key; benchmarks)
 
     @property
     def ring(self) -> int:
@@ -127,18 +126,6 @@ class AttentionPlan:
         seg = None if q_seg is None else (q_seg, kv_seg)
         return attention_block_backward(q, k, v, out, lse, do, causal=self.causal, sliding_window=self.window,
                                         segment_ids=seg, scale=self.scale, impl=self.impl, offset=offset)
-
-    def visible(self, offset, c: int):
-        """Whether a query of a c x c block at `offset` can see one of its keys by position (segment ids are the
-        kernel's to skip): a block no query sees is not computed at all."""
-        see = jnp.bool_(True)
-        if not self.skip_invisible:
-            return see
-        if self.causal:
-            see &= offset + c - 1 >= 0
-        if self.window is not None:
-            see &= offset - (c - 1) < self.window
-        return see
 
     def ring_position(self):
         return lax.axis_index(self.axis) // self.a2a
@@ -245,15 +232,11 @@ def ring_step_forward(how, qs, q_segs, mine, held, theirs, acc):
     c = qs[0].shape[1]
     ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
     acc = list(acc)
-
-    def attend(acc, q, k, v, q_seg, kv_seg, offset):
-        return _merge(acc, how.attend(q, k, v, q_seg, kv_seg, offset, return_lse=True))
-
     for i in range(m):
         for j in range(m):
-            offset = (mine[i] - theirs[j]) * c
-            acc[i] = lax.cond(how.visible(offset, c), attend, lambda acc, *_: acc, acc[i], qs[i], ks[j], vs[j],
-                              q_segs[i], kv_segs[j], offset)
+            block = how.attend(qs[i], ks[j], vs[j], q_segs[i], kv_segs[j], (mine[i] - theirs[j]) * c,
+                               return_lse=True)
+            acc[i] = _merge(acc[i], block)
     return acc
 
 
@@ -289,17 +272,13 @@ def ring_step_backward(how, queries, mine, held, theirs, dq, grads):
     c = qs[0].shape[1]
     ks, vs, kv_segs = _split(held[0], m), _split(held[1], m), _seg_split(held[2], m)
     dks, dvs, dq = _split(grads[0], m), _split(grads[1], m), list(dq)
-
-    def block(sums, offset, *, i, j):
-        dqi, dkj, dvj = how.block_backward(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], q_segs[i], kv_segs[j],
-                                           offset)
-        return tuple(a + b.astype(jnp.float32) for a, b in zip(sums, (dqi, dkj, dvj)))
-
     for i in range(m):
         for j in range(m):
-            offset = (mine[i] - theirs[j]) * c
-            dq[i], dks[j], dvs[j] = lax.cond(how.visible(offset, c), functools.partial(block, i=i, j=j),
-                                             lambda sums, _: sums, (dq[i], dks[j], dvs[j]), offset)
+            dqi, dkj, dvj = how.block_backward(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], q_segs[i], kv_segs[j],
+                                               (mine[i] - theirs[j]) * c)
+            dq[i] = dq[i] + dqi.astype(jnp.float32)
+            dks[j] = dks[j] + dkj.astype(jnp.float32)
+            dvs[j] = dvs[j] + dvj.astype(jnp.float32)
     return dq, (jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1))
 
 
