@@ -64,7 +64,8 @@ def _space(cfg):
 
 
 def _validate(plan, machine, k: int) -> list[dict]:
-    """Compiles the top k on the devices present; predicted vs XLA's estimate (attention as these devices run it)."""
+    """Compiles the top k on the devices present; predicted (for these devices' attention kernel) vs XLA's
+    estimate."""
     import jax  # noqa: PLC0415  (only --validate needs a backend)
 
     from mjax.plan.compiled import compiled_bytes  # noqa: PLC0415
@@ -73,10 +74,9 @@ def _validate(plan, machine, k: int) -> list[dict]:
     if len(jax.devices()) != machine.num_gpus:
         raise ConfigError(f"--validate compiles on the devices present ({len(jax.devices())}), but --num_gpus="
                           f"{machine.num_gpus}; plan for {len(jax.devices())} devices or drop --validate")
-    scores = jax.default_backend() != "gpu"  # XLA's attention off GPU keeps its scores
     rows = []
     for p in plan.ranked[:k]:
-        predicted = memory(p.cfg, p.batching, machine.num_gpus, attention_scores=scores).total
+        predicted = memory(p.cfg, p.batching, machine.num_gpus).total  # attention as these devices run it
         got = compiled_bytes(p.cfg)
         rows.append({"layout": p.name, "predicted_gib": predicted / GIB,
                      "compiled_gib": None if got is None else got["total"] / GIB})

@@ -36,9 +36,9 @@ class Prediction:
                 "micro_batches": self.batching.micro_batches, "reject": self.reject}
 
 
-def predict(candidate, machine, attention_scores: bool = False) -> Prediction:
+def predict(candidate, machine) -> Prediction:
     cfg, batching = candidate.cfg, candidate.batching
-    mem = memory(cfg, batching, machine.num_gpus, attention_scores)
+    mem = memory(cfg, batching, machine.num_gpus, on_gpu=True)
     time = step_time(cfg, batching, state_bytes(cfg, machine.num_gpus), machine)
     limit = machine.memory_gib * GIB
     reject = f"needs {mem.total / GIB:.1f} GiB > {machine.memory_gib:g}" if mem.total > limit else None
@@ -52,9 +52,9 @@ class Plan:
     refused: int  # layouts validate_layout refused (never proposed)
 
 
-def make_plan(cfg, machine, space: SearchSpace = SearchSpace(), attention_scores: bool = False) -> Plan:
+def make_plan(cfg, machine, space: SearchSpace = SearchSpace()) -> Plan:
     found, refused = candidates(cfg, machine, space)
-    predictions = [predict(c, machine, attention_scores) for c in found]
+    predictions = [predict(c, machine) for c in found]
     ranked = sorted((p for p in predictions if p.reject is None), key=lambda p: (p.time.total_s, p.memory.total))
     rejected = sorted((p for p in predictions if p.reject is not None), key=lambda p: p.memory.total)
     return Plan(ranked, rejected, refused)

@@ -1,0 +1,83 @@
+"""Activation bytes a layout keeps for the backward, from the residuals JAX's autodiff saves when it traces the real
+model under the run's recomputation policy (nothing is compiled or allocated): the model is traced as one device
+of the layout sees it (heads, KV heads, FFN and vocab split over tp, experts over ep, the sequence over cp, one
+sequence of the micro-batch), residuals of the residual stream are split over tp with sequence parallelism, and the
+sum scales with the micro-batch size."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals (same traversal)
+
+from mjax.model import build_model
+from mjax.parallel.remat import LayerRunner
+from mjax.sharding import single_device
+
+
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    stream: int  # bytes per sequence of tensors [.., seq, hidden] (split over tp with sequence parallelism)
+    other: int  # bytes per sequence of everything else
+
+
+def local_model(cfg):
+    """The model config one device of the layout computes: its share of heads, KV heads, FFN, vocab and experts."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tp
+    etp = tp if p.expert_tensor_parallel_size in (None, tp) else 1
+    kv = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else 1  # fewer KV heads than tp: each device one
+    changes = dict(num_attention_heads=m.num_attention_heads // tp, num_query_groups=kv, kv_channels=m.head_dim,
+                   ffn_hidden_size=m.ffn_hidden_size // tp, vocab_size=m.padded_vocab_size() // tp,
+                   make_vocab_size_divisible_by=1)
+    if m.num_experts:
+        changes.update(num_experts=m.num_experts // p.ep,
+                       moe_router_topk=min(m.moe_router_topk, m.num_experts // p.ep),
+                       moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
+        if m.moe_shared_expert_intermediate_size:
+            changes["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size // tp
+        changes.update(moe_router_num_groups=None, moe_router_group_topk=None)
+    return dataclasses.replace(m, **changes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _residuals(model_cfg, precision, execution, seq: int, topk_rows: int) -> Residuals:
+    model = build_model(model_cfg, precision, execution, LayerRunner(execution))
+    params = model.abstract_params()
+    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def hidden_sum(p, t):
+        out = model.apply(p, t)
+        return jnp.sum((out[0] if isinstance(out, tuple) else out).astype(jnp.float32))
+
+    with single_device():  # the local model is one device's share: no mesh axis splits it further
+        saved = saved_residuals(hidden_sum, params, tokens)
+    # each device's experts receive top-k rows per token on average (balanced routing), but a local trace with
+    # fewer experts than top-k routes fewer: its MoE residuals are scaled back up
+    moe_scale = topk_rows / model_cfg.moe_router_topk if topk_rows else 1
+    stream = other = 0
+    for aval, source in saved:
+        if "from the argument" in source:  # the weights themselves: counted as state
+            continue
+        n = aval.size * aval.dtype.itemsize * (moe_scale if "model/moe" in source else 1)
+        if aval.shape and aval.shape[-1] == model_cfg.hidden_size and seq in aval.shape:
+            stream += n
+        else:
+            other += n
+    return Residuals(int(stream), int(other))
+
+
+def residuals(cfg) -> Residuals:
+    """Residual bytes of one sequence (seq / cp positions) on one device of the layout."""
+    m, p = cfg.model, cfg.parallel
+    return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // p.cp,
+                      m.moe_router_topk if m.num_experts else 0)
+
+
+def model_activation_bytes(cfg, micro_batch_size: int) -> int:
+    """Bytes one micro-batch's forward keeps for its backward, over all layers, on one device (no pipeline)."""
+    r = residuals(cfg)
+    p = cfg.parallel
+    sp = p.tp if p.sequence_parallel and p.tp > 1 else 1
+    return int(micro_batch_size * (r.stream / sp + r.other))
