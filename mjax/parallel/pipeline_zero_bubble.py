@@ -2,7 +2,9 @@
 the input gradient the previous stage waits for, and W, the weight gradient nobody waits for, which the tables
 (pipeline_tables.zero_bubble) run where 1F1B would idle. Each tick a device runs one of F, B, W (one shard_map
 manual over `pipeline`, as pipeline_1f1b.py); F hands its output to the next device, B its input gradient to the
-previous one, by ppermute.
+previous one, by ppermute. The operation is a lax.switch per device (the pipeline axis is manual, and a stage's
+tensor-parallel peers take the same branch), not the masking of pipeline_1f1b.py: masked, every tick would pay F,
+B and W, and hold B's and W's recomputed activations at once.
 
 B and W both recompute the stage's forward from its kept input, as 1F1B's backward slot does: B takes the vjp with
 respect to the input only, W the vjp with respect to the layers only (so neither computes the other's product).
@@ -48,50 +50,52 @@ def run(model, token_loss, use_segments, pp, layers, rest, batch, weight):
                                                                                      row["b_arrive"])):
             c[buffer] = c[buffer].at[slot(at)].set(jnp.where(at >= 0, c[arriving], c[buffer][slot(at)]))
 
-    def forward(c, stacks, first, row, batch):
+    def forward(c, d_stacks, stacks, rest, first, row, batch, weight):  # F; returns what goes to the neighbours
         micro = micro_at(batch, slot(row["f_micro"]))
         x = jnp.where(row["f_input"] >= 0, c["received"][slot(row["f_input"])], first)
-        keep = slot(row["f_stash"])
-        c["stash"] = c["stash"].at[keep].set(jnp.where(row["f_micro"] >= 0, x, c["stash"][keep]))
-        c["f_arriving"] = shift(stage_out(stacks, x, micro), pp, +1)
+        c["stash"] = c["stash"].at[slot(row["f_stash"])].set(x)
+        return c, d_stacks, stage_out(stacks, x, micro), jnp.zeros_like(x)
 
-    def input_grad(s, c, stacks, rest, row, batch, weight):  # B
-        valid = row["b_micro"] >= 0
-        last = valid & (s == pp - 1)
+    def input_grad(c, d_stacks, stacks, rest, first, row, batch, weight):  # B
+        last = jax.lax.axis_index(AXIS) == pp - 1
         micro = micro_at(batch, slot(row["b_micro"]))
         y, x_vjp = jax.vjp(lambda x: stage_out(stacks, x, micro), c["stash"][slot(row["b_stash"])])
         total, head_vjp, z = jax.vjp(lambda r, y: head(model, token_loss, r, y, micro), rest, y, has_aux=True)
         d_rest, dy = head_vjp(jnp.where(last, weight, 0.0).astype(total.dtype))
-        dy = jnp.where(valid, jnp.where(last, dy, c["grads"][slot(row["b_input"])]), 0.0).astype(y.dtype)
+        dy = jnp.where(last, dy, c["grads"][slot(row["b_input"])]).astype(y.dtype)
         (dx,) = x_vjp(dy)
-        keep = slot(row["b_keep"])
-        c["kept"] = c["kept"].at[keep].set(jnp.where(valid, dy, c["kept"][keep]))
+        c["kept"] = c["kept"].at[slot(row["b_keep"])].set(dy)
         c["d_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["d_head"], d_rest)
         c["loss"] += jnp.where(last, total, 0.0)
         c["z"] += jnp.where(last, z, 0.0)
-        c["b_arriving"] = shift(dx, pp, -1)
-        return dx
+        return c, d_stacks, jnp.zeros_like(dx), dx
 
-    def weight_grad(c, d_stacks, stacks, row, batch):  # W: an idle device's dy is 0, so it adds nothing
+    def weight_grad(c, d_stacks, stacks, rest, first, row, batch, weight):  # W
         micro = micro_at(batch, slot(row["w_micro"]))
-        dy = jnp.where(row["w_micro"] >= 0, c["kept"][slot(row["w_keep"])], 0.0)
         _, w_vjp = jax.vjp(lambda w: stage_out(w, c["stash"][slot(row["w_stash"])], micro), stacks)
-        (d_block,) = w_vjp(dy)
-        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_stacks, d_block)
+        (d_block,) = w_vjp(c["kept"][slot(row["w_keep"])])
+        d_stacks = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), d_stacks, d_block)
+        return c, d_stacks, jnp.zeros_like(first), jnp.zeros_like(first)
+
+    def idle(c, d_stacks, stacks, rest, first, row, batch, weight):
+        return c, d_stacks, jnp.zeros_like(first), jnp.zeros_like(first)
 
     def tick_fn(do_forward, do_input, do_weight):
+        ops = [(op, name) for op, name, do in ((forward, "f_micro", do_forward), (input_grad, "b_micro", do_input),
+                                               (weight_grad, "w_micro", do_weight)) if do]
+
         def stage(stacks, rest, carry, d_stacks, first, rows, batch, weight):  # inside shard_map
             s = jax.lax.axis_index(AXIS)
             c, row = jax.tree.map(lambda a: a[0], carry), jax.tree.map(lambda a: a[s], rows)
             arrive(c, row)
-            dx = jnp.zeros_like(c["f_arriving"])
-            if do_forward:
-                forward(c, stacks, first, row, batch)
-            if do_input:
-                dx = input_grad(s, c, stacks, rest, row, batch, weight)
-            if do_weight:
-                d_stacks = weight_grad(c, d_stacks, stacks, row, batch)
-            return jax.tree.map(lambda a: a[None], c), d_stacks, dx[None]
+            # Each device runs only its own operation (the pipeline axis is manual: the branch is per device).
+            which = len(ops)  # idle
+            for i, (_, name) in enumerate(ops):
+                which = jnp.where(row[name] >= 0, i, which)
+            c, d_stacks, to_next, to_previous = jax.lax.switch(which, [op for op, _ in ops] + [idle], c, d_stacks,
+                                                               stacks, rest, first, row, batch, weight)
+            c["f_arriving"], c["b_arriving"] = shift(to_next, pp, +1), shift(to_previous, pp, -1)
+            return jax.tree.map(lambda a: a[None], c), d_stacks, to_previous[None]
 
         run_stage = manual(stage, (P(AXIS), P(), P(AXIS), P(AXIS), P(), P(), P(), P()), (P(AXIS),) * 3)
 
