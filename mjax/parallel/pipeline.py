@@ -15,8 +15,8 @@ Schedules (`--pipeline_schedule`), with M micro-batches per step and pp stages:
   interleaved  the same chunks, micro-batches going round the ring of devices vpp times in GPipe order (every
                activation kept). Bubble (pp - 1) / (vpp M + pp - 1).
   zero_bubble  ZB-H1: the backward split into input and weight gradients, the weight gradients run where 1F1B idles
-               (pipeline_zero_bubble.py). Memory bounded as 1f1b's; bubble (pp - 1) / (3 M + pp - 1) in ticks of
-               one F, B or W.
+               (pipeline_zero_bubble.py). Keeps 1f1b's stage inputs plus as many output gradients, whatever M;
+               bubble (pp - 1) / (3 M + pp - 1) in ticks of one F, B or W.
 
 Layer placement: the train state and checkpoints keep the stacked layers as [num_layers, ...], sharded in
 contiguous blocks over `pipeline`, so they restore onto any pp/vpp and the shard_maps take them as they are. With

@@ -14,6 +14,9 @@ stage's own forward output feeds its backward in the same tick. A tick lasts a f
 a backward if any device runs one, so the idle share is
     bubble = 1 - (device work) / (pp x total time) = (pp - 1) / (vpp M + pp - 1),
 the interleaved 1F1B bubble, and the stage inputs a device keeps for its backward are bounded by pp and vpp, not M.
+
+zero_bubble builds ZB-H1's tables (vpp = 1): the backward split into an input-gradient and a weight-gradient pass,
+one operation per device per tick.
 """
 
 import dataclasses
@@ -219,7 +222,8 @@ def zero_bubble(pp: int, num: int) -> ZeroBubbleTables:
     for). Each tick a device runs, in this order of preference, the oldest B whose output gradient is there; else its
     next F, if fewer than pp - s forwards wait for their B (1F1B's warm-up on device s) and fewer than 2 pp - 1 inputs
     wait for their W (the stash of 1F1B's tables); else the oldest W whose B is done. So the W passes fill what would
-    be the cool-down bubble, and the idle share is (pp - 1) / (3 M + pp - 1), a third of 1F1B's in its units."""
+    be the cool-down bubble, and the idle share is (pp - 1) / (3 M + pp - 1), about a third of 1F1B's (pp - 1) /
+    (M + pp - 1) for M >> pp."""
     if num < pp:
         raise ValueError(f"ZB-H1 needs at least --pp={pp} micro-batches, got {num}")
     never = 1 << 30
@@ -228,7 +232,7 @@ def zero_bubble(pp: int, num: int) -> ZeroBubbleTables:
     while len(done["W"]) < pp * num:
         row = []
         for s in range(pp):
-            started = [m for m in range(forwards[s])]
+            started = range(forwards[s])
             waiting_b = [m for m in started if (s, m) not in done["B"]]
             ready_b = [m for m in waiting_b if (done["F"][s, m] if s == pp - 1 else done["B"].get((s + 1, m), never))
                        < t]

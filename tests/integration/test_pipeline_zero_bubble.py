@@ -48,9 +48,11 @@ def test_temporaries_against_1f1b():
     (dict(parallel=dict(pp=2, vpp=2, pipeline_schedule="zero_bubble")), "--vpp=2 needs an interleaved schedule"),
     (dict(parallel=dict(pp=2, pipeline_schedule="zero_bubble", decoder_first_pipeline_num_layers=1)),
      "zero_bubble does not support uneven stages"),
+    (dict(precision=dict(fp8_recipe="tensorwise")), "--fp8_recipe=tensorwise .*not zero_bubble|zero_bubble does not "
+     "support --fp8_recipe"),
 ])
 def test_unsupported_flags_are_named(sections, message):
     cfg = tiny_config(model=dict(num_layers=4, **sections.pop("model", {})),
                       parallel=sections.pop("parallel", dict(pp=2, pipeline_schedule="zero_bubble")))
     with pytest.raises(ConfigError, match=message):
-        validate_layout(cfg, 8)
+        validate_layout(cfg.replace(**sections), 8)
