@@ -19,6 +19,7 @@ RENAMED = {
     "swiglu": ("activation", "swiglu"),
     "disable_bias_linear": ("add_bias_linear", "false"),
     "use_rope_scaling": ("rope_scaling", "llama3"),
+    "rotary_scaling_factor": ("rope_scaling_factor", None),
     "finetune": ("load_params_only", "true"),
     "cross_entropy_loss_fusion": ("cross_entropy_impl", "fused"),
     "attention_backend": ("attention_impl", {"flash": "pallas", "fused": "cudnn", "unfused": "xla", "local": "xla"}),

@@ -34,11 +34,19 @@ class ModelConfig:
     activation: str = field("swiglu", "activation", "swiglu | gelu")
     position_embedding_type: str = field("rope", "position_embedding_type", "rope | learned")
     rotary_base: float = field(10000.0, "rotary_base")
-    rope_scaling: str = field("none", "rope_scaling", "none | llama3")
-    rope_scaling_factor: float = field(8.0, "rope_scaling_factor")
+    rope_scaling: str = field("none", "rope_scaling", "none | llama3 | yarn")
+    rope_scaling_factor: float = field(8.0, "rope_scaling_factor", "Context extension factor of llama3 / yarn "
+                                       "RoPE scaling (Megatron's --rotary_scaling_factor).")
     rope_low_freq_factor: float = field(1.0)
     rope_high_freq_factor: float = field(4.0)
-    rope_original_max_positions: int = field(8192)
+    rope_original_max_positions: int = field(8192, help="llama3 / yarn: the context length trained before scaling.")
+    # YaRN (--rope_scaling=yarn; Megatron's --beta-fast, --beta-slow, --mscale, --mscale-all-dim)
+    rope_yarn_beta_fast: float = field(32.0, "beta_fast", "YaRN: rotations above which a frequency is kept.")
+    rope_yarn_beta_slow: float = field(1.0, "beta_slow", "YaRN: rotations below which a frequency is interpolated.")
+    rope_yarn_mscale: float = field(1.0, "mscale", "YaRN: cos/sin are scaled by m(mscale) / m(mscale_all_dim), "
+                                    "m(a) = 0.1 a ln(factor) + 1.")
+    rope_yarn_mscale_all_dim: float = field(0.0, "mscale_all_dim", "YaRN: the softmax scale is multiplied by "
+                                            "m(mscale_all_dim)^2 (0: unchanged).")
     add_bias_linear: bool = field(False, "add_bias_linear", "Biases on every linear layer (GPT-2).")
     add_qkv_bias: bool = field(False, "add_qkv_bias", "Biases on Q, K, V only (Qwen2).")
     untie_embeddings_and_output_weights: bool = field(True, "untie_embeddings_and_output_weights")
@@ -50,6 +58,16 @@ class ModelConfig:
         False, "qk_layernorm_across_heads", "With --qk_layernorm: one norm over all heads' features of Q and of K "
         "(OLMoE) instead of one per head.")
     init_method_std: float = field(0.02, "init_method_std")
+    # Multi-head latent attention (DeepSeek-V2/V3; Megatron's names): mjax/model/mla.py.
+    multi_latent_attention: bool = field(False, "multi_latent_attention", "MLA: keys and values from a compressed "
+                                         "latent, RoPE on a decoupled key part shared by the heads.")
+    q_lora_rank: int | None = field(None, "q_lora_rank", "MLA: rank of the query compression; None: a full-rank "
+                                    "query projection (DeepSeek-V2-Lite).")
+    kv_lora_rank: int = field(512, "kv_lora_rank", "MLA: rank of the compressed key/value latent.")
+    qk_head_dim: int = field(128, "qk_head_dim", "MLA: the per-head query/key dims without RoPE.")
+    qk_pos_emb_head_dim: int = field(64, "qk_pos_emb_head_dim", "MLA: the query/key dims with RoPE (the key's are "
+                                     "shared by all heads).")
+    v_head_dim: int = field(128, "v_head_dim", "MLA: the per-head value dims.")
     # Mixture of experts (Megatron's --moe-* names). num_experts=None: every layer has a dense MLP.
     num_experts: int | None = field(None, "num_experts", "Routed experts per MoE layer; None means a dense model.")
     moe_layer_freq: str = field(

@@ -6,11 +6,12 @@ from mjax.config import model as model_options
 from mjax.config.model import MOE_REMAT_NAMES
 from mjax.config.base import ConfigError
 from mjax.config.pipeline_layout import stage_layout
+from mjax.config.validate_mla import validate_mla
 from mjax.config.sections import Config
 from mjax.kernels import options as kernels
 
-REMAT_NAMES = ("qkv_proj", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden", "mlp_out", "norm",
-               kernels.FP8_CAST, *MOE_REMAT_NAMES)
+REMAT_NAMES = ("qkv_proj", "mla_up", kernels.ATTN_CORE, "attn_context", "attn_out", "mlp_up", "mlp_hidden",
+               "mlp_out", "norm", kernels.FP8_CAST, *MOE_REMAT_NAMES)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved_1f1b", "zero_bubble")
 INTERLEAVED = ("interleaved_1f1b", "interleaved")  # the schedules with --vpp > 1 chunks per device
 log = logging.getLogger("mjax")
@@ -34,7 +35,8 @@ def validate_model(cfg: Config) -> None:
     choice(m.normalization, ("rmsnorm", "layernorm"), "model.normalization")
     choice(m.activation, ("swiglu", "gelu"), "model.activation")
     choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
-    choice(m.rope_scaling, ("none", "llama3"), "model.rope_scaling")
+    choice(m.rope_scaling, ("none", "llama3", "yarn"), "model.rope_scaling")
+    validate_mla(m)
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"--model.hidden_size={m.hidden_size} is not divisible by --model.num_attention_heads="

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from mjax.config.execution import ExecutionConfig
 from mjax.model.attention import Attention
 from mjax.model.layers import Embed, Linear, make_norm, without_quant
+from mjax.model.mla import MLAttention
 from mjax.model.mlp import MLP
 from mjax.model.moe import MoE
 from mjax.sharding import constrain, param
@@ -27,7 +28,8 @@ class Block(nnx.Module):
                  core_attention=None, rngs: nnx.Rngs):
         execution = execution or ExecutionConfig()
         self.attn_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
-        self.attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution,
+        attention = MLAttention if cfg.multi_latent_attention else Attention
+        self.attn = attention(cfg, dtype=dtype, param_dtype=param_dtype, quant=quant, execution=execution,
                               core_attention=core_attention, rngs=rngs)
         self.mlp_norm = make_norm(cfg, dtype=dtype, param_dtype=param_dtype)
         if moe:
