@@ -87,6 +87,9 @@ class ModelConfig:
         "top-k logits are softmaxed.")
     moe_router_num_groups: int | None = field(None, "moe_router_num_groups", "Expert groups (group-limited routing).")
     moe_router_group_topk: int | None = field(None, "moe_router_group_topk", "Groups a token may route to.")
+    moe_router_group_score_topk: int | None = field(
+        None, "moe_router_group_score_topk", "A group's rank is the sum of its best this many scores; None: "
+        "topk / group_topk (Megatron). DeepSeek-V3's code uses 2, DeepSeek-V2's 1.")
     moe_router_topk_scaling_factor: float | None = field(None, "moe_router_topk_scaling_factor",
                                                           "Multiplies the routing weights (DeepSeek).")
     moe_router_dtype: str = field("fp32", "moe_router_dtype", "fp32 | fp64: router logits and scores.")

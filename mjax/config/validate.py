@@ -137,6 +137,10 @@ def validate_moe(cfg: Config) -> None:
         if not 1 <= chosen <= groups or k > chosen * (e // groups):
             raise ConfigError(f"--moe_router_group_topk={chosen} must be in 1..{groups} and its groups must hold the "
                               f"--moe_router_topk={k} experts ({e // groups} experts per group)")
+        score_k = m.moe_router_group_score_topk
+        if score_k is not None and not 1 <= score_k <= e // groups:
+            raise ConfigError(f"--moe_router_group_score_topk={score_k} must be in 1..{e // groups} (the experts per "
+                              "group)")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe_router_enable_expert_bias needs --moe_router_score_function=sigmoid (as in "
                           "Megatron-LM)")

@@ -18,6 +18,7 @@ import numpy as np
 from mjax.config import Config, ConfigError, ModelConfig
 from mjax.convert import source, tokenizer
 from mjax.storage import params as params_io
+from mjax.convert.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, MLA_FAMILIES
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
 from mjax.convert.moe import DEEPSEEK_MOE, MIXTRAL, MOE_FAMILIES, OLMOE, QWEN2_MOE, QWEN3_MOE
@@ -25,9 +26,11 @@ from mjax.convert.safetensors_io import SafetensorsReader, SafetensorsWriter
 from mjax.convert.spec import ConversionError, Dims, Family, InputError, flatten
 
 log = logging.getLogger(__name__)
-FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2, *MOE_FAMILIES) for a in f.architectures}
+FAMILIES: dict[str, Family] = {a: f for f in (LLAMA, MISTRAL, QWEN2, GPT2, *MOE_FAMILIES, *MLA_FAMILIES)
+                               for a in f.architectures}
 MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2, "mixtral": MIXTRAL,
-               "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "olmoe": OLMOE, "deepseek": DEEPSEEK_MOE}
+               "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "olmoe": OLMOE, "deepseek": DEEPSEEK_MOE,
+               "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3}
 # HF keys the families write; an original config's other keys (bos/eos ids, ...) are carried through on export.
 MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures")
 
@@ -165,6 +168,8 @@ def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
 
 
 def infer_family(m) -> Family:
+    if m.multi_latent_attention:
+        return DEEPSEEK_V3 if m.moe_router_score_function == "sigmoid" else DEEPSEEK_V2
     if m.num_experts:
         if m.qk_layernorm:
             return OLMOE if m.qk_layernorm_across_heads else QWEN3_MOE

@@ -36,11 +36,13 @@ class Dims:
     vp: int  # padded vocab (mjax tables)
     moe_pattern: tuple[bool, ...]  # per HF layer: whether it is an MoE block
     e: int = 0  # routed experts per MoE layer
+    rope: int = 0  # multi-latent attention: the RoPE dims of each query head and of the shared key
 
     @classmethod
     def of(cls, m) -> "Dims":
         return cls(m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                   m.vocab_size, m.padded_vocab_size(), m.moe_layer_pattern(), m.num_experts or 0)
+                   m.vocab_size, m.padded_vocab_size(), m.moe_layer_pattern(), m.num_experts or 0,
+                   m.qk_pos_emb_head_dim if m.multi_latent_attention else 0)
 
     @property
     def layers(self) -> int:

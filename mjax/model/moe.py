@@ -231,7 +231,7 @@ class MoE(nnx.Module):
             logits, topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
             pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
             group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            expert_bias=self.router.bias())
+            expert_bias=self.router.bias(), group_score_topk=cfg.moe_router_group_score_topk)
 
     def router_stats(self, logits, b):
         """The router's stats (see the module docstring) of b sequences' logits [N, E]."""

@@ -10,8 +10,8 @@ Routing (`route`), from the router logits [N, E] in --moe_router_dtype:
 The pre-softmax flag has no effect with sigmoid (as in Megatron). --moe_router_topk_scaling_factor multiplies the
 weights (DeepSeek's routed_scaling_factor). Group-limited routing (--moe_router_num_groups, --moe_router_group_topk;
 DeepSeek's device/node-limited routing) first keeps the group_topk groups whose top-(topk / group_topk) scores sum
-highest. Hugging Face's DeepSeek-V2 ranks a group by its single best score instead: that model converts exactly
-only with topk == group_topk.
+highest (Megatron), or whose top-(--moe_router_group_score_topk) scores do: 2 in DeepSeek-V3's code, 1 (the best
+score) in DeepSeek-V2's.
 
 Load-balancing losses are built from per-sequence pieces the layer returns (mjax/model/moe.py, `MoE` stats):
     router_probs_sum [..., B, E]   sum over a sequence's tokens of the aux-loss scores: softmax(logits) over all
@@ -68,8 +68,9 @@ def router_dtype(name: str):
     return jnp.dtype(ROUTER_DTYPES[name])
 
 
-def _topk(scores, topk: int, num_groups: int | None, group_topk: int | None):
-    """(values, indices) [N, k] of the top-k scores [N, E], within the best `group_topk` of `num_groups` groups."""
+def _topk(scores, topk: int, num_groups: int | None, group_topk: int | None, group_score_topk: int | None = None):
+    """(values, indices) [N, k] of the top-k scores [N, E], within the best `group_topk` of `num_groups` groups,
+    a group ranked by the sum of its best `group_score_topk` scores (default topk // group_topk)."""
     if not group_topk:
         return lax.top_k(scores, topk)
     n, e = scores.shape
@@ -79,7 +80,7 @@ def _topk(scores, topk: int, num_groups: int | None, group_topk: int | None):
                          f"{e} experts and --moe_router_topk={topk}: the groups must divide the experts, "
                          f"group_topk <= num_groups <= experts and group_topk <= topk <= experts in the kept groups")
     grouped = scores.reshape(n, num_groups, e // num_groups)  # [N, E] -> [N, G, E/G]
-    group_scores = lax.top_k(grouped, topk // group_topk)[0].sum(-1)  # [N, G]
+    group_scores = lax.top_k(grouped, group_score_topk or topk // group_topk)[0].sum(-1)  # [N, G]
     _, groups = lax.top_k(group_scores, group_topk)  # [N, group_topk]
     group_mask = jax.nn.one_hot(groups, num_groups, dtype=jnp.bool_).any(axis=1)  # [N, G]
     expert_mask = jnp.repeat(group_mask, e // num_groups, axis=1)  # [N, G] -> [N, E]
@@ -88,7 +89,7 @@ def _topk(scores, topk: int, num_groups: int | None, group_topk: int | None):
 
 def route(logits, *, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
           num_groups: int | None = None, group_topk: int | None = None, scaling_factor: float | None = None,
-          expert_bias=None):
+          expert_bias=None, group_score_topk: int | None = None):
     """Router logits [N, E] -> (weights [N, k] in the logits' dtype, experts [N, k] int32), slots ordered by
     descending choice score. `expert_bias` [E] (sigmoid only) is added to the scores for the choice and never
     reaches the weights; it gets no gradient."""
@@ -97,14 +98,14 @@ def route(logits, *, topk: int, score_function: str = "softmax", pre_softmax: bo
             raise ValueError("--moe_router_enable_expert_bias needs --moe_router_score_function=sigmoid (as in "
                              "Megatron-LM): softmax routing ignores the expert bias")
         if pre_softmax:
-            weights, experts = _topk(jax.nn.softmax(logits, axis=-1), topk, num_groups, group_topk)
+            weights, experts = _topk(jax.nn.softmax(logits, axis=-1), topk, num_groups, group_topk, group_score_topk)
         else:
-            top_logits, experts = _topk(logits, topk, num_groups, group_topk)
+            top_logits, experts = _topk(logits, topk, num_groups, group_topk, group_score_topk)
             weights = jax.nn.softmax(top_logits, axis=-1)  # [N, k]
     elif score_function == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         choice = scores if expert_bias is None else scores + lax.stop_gradient(expert_bias).astype(scores.dtype)
-        _, experts = _topk(choice, topk, num_groups, group_topk)
+        _, experts = _topk(choice, topk, num_groups, group_topk, group_score_topk)
         weights = jnp.take_along_axis(scores, experts, axis=-1)  # [N, E] -> [N, k]
         if topk > 1:
             weights = weights / (weights.sum(-1, keepdims=True) + _NORM_EPS)
