@@ -32,8 +32,11 @@ def local_model(cfg):
                    ffn_hidden_size=m.ffn_hidden_size // tp, vocab_size=m.padded_vocab_size() // tp,
                    make_vocab_size_divisible_by=1)
     if m.num_experts:
-        changes.update(num_experts=m.num_experts // p.ep,
-                       moe_router_topk=min(m.moe_router_topk, m.num_experts // p.ep),
+        # each device's experts compute on a receive buffer of ep blocks, each as large as one device's routed
+        # rows (token_dispatcher.py: exact, never dropping): a local trace routing each token to top-k x ep of its
+        # experts has as many rows
+        rows = m.moe_router_topk * p.ep
+        changes.update(num_experts=max(m.num_experts // p.ep, rows), moe_router_topk=rows,
                        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
         if m.moe_shared_expert_intermediate_size:
             changes["moe_shared_expert_intermediate_size"] = m.moe_shared_expert_intermediate_size // tp
@@ -42,7 +45,7 @@ def local_model(cfg):
 
 
 @functools.lru_cache(maxsize=1024)
-def _residuals(model_cfg, precision, execution, seq: int, topk_rows: int) -> Residuals:
+def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
     model = build_model(model_cfg, precision, execution, LayerRunner(execution))
     params = model.abstract_params()
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
@@ -53,26 +56,22 @@ def _residuals(model_cfg, precision, execution, seq: int, topk_rows: int) -> Res
 
     with single_device():  # the local model is one device's share: no mesh axis splits it further
         saved = saved_residuals(hidden_sum, params, tokens)
-    # each device's experts receive top-k rows per token on average (balanced routing), but a local trace with
-    # fewer experts than top-k routes fewer: its MoE residuals are scaled back up
-    moe_scale = topk_rows / model_cfg.moe_router_topk if topk_rows else 1
     stream = other = 0
     for aval, source in saved:
         if "from the argument" in source:  # the weights themselves: counted as state
             continue
-        n = aval.size * aval.dtype.itemsize * (moe_scale if "model/moe" in source else 1)
+        n = aval.size * aval.dtype.itemsize
         if aval.shape and aval.shape[-1] == model_cfg.hidden_size and seq in aval.shape:
             stream += n
         else:
             other += n
-    return Residuals(int(stream), int(other))
+    return Residuals(stream, other)
 
 
 def residuals(cfg) -> Residuals:
     """Residual bytes of one sequence (seq / cp positions) on one device of the layout."""
     m, p = cfg.model, cfg.parallel
-    return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // p.cp,
-                      m.moe_router_topk if m.num_experts else 0)
+    return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // p.cp)
 
 
 def model_activation_bytes(cfg, micro_batch_size: int) -> int:

@@ -57,9 +57,9 @@ def transient_bytes(cfg, batching) -> int:
         positions = min(positions, cfg.execution.cross_entropy_chunk)
     logits = b * positions * vocab * (4 + 4 + BYTES[cfg.precision.compute_dtype])
     recomputed = 0
-    if cfg.execution.remat_policy != "none":  # one layer's forward rerun with everything kept, in its backward
+    if cfg.execution.remat_policy != "none":  # what one layer's backward recomputes, live within it
         everything = cfg.replace(execution=dict(remat_policy="none"))
-        recomputed = model_activation_bytes(everything, b) // (m.num_layers // 1)
+        recomputed = (model_activation_bytes(everything, b) - model_activation_bytes(cfg, b)) // m.num_layers
     return logits + recomputed
 
 

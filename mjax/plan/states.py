@@ -13,7 +13,7 @@ from mjax.config import ExecutionConfig, ParallelConfig
 from mjax.model import build_model
 from mjax.parallel.mesh import AXES, mesh_shape
 from mjax.parallel.remat import LayerRunner
-from mjax.parallel.rules import bytes_per_device, logical_rules, param_shardings, state_shardings
+from mjax.parallel.rules import add_axis, bytes_per_device, logical_rules, param_shardings, state_shardings
 from mjax.parallel.token_dispatcher import TokenDispatcher
 from mjax.parallel.context_parallel import ContextParallelAttention
 from mjax.train.optimizer import lr_schedule, make_optimizer
@@ -51,9 +51,13 @@ def _state_bytes(cfg, num_devices: int) -> tuple:
     p_sharding = param_shardings(mesh, model.logical_axes(), logical_rules(cfg), params)
     s_sharding = state_shardings(mesh, state, p_sharding, cfg.parallel.use_distributed_optimizer)
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
+    # with ZeRO-1 XLA keeps the accumulated fp32 gradients split over `data` like the moments they update
+    # (measured: tests/integration/test_plan_memory.py); otherwise sharded as the params
+    grad_sharding = (jax.tree.map(lambda sh, g: add_axis(sh, g.shape, "data"), p_sharding, grads)
+                     if cfg.parallel.use_distributed_optimizer else p_sharding)
     total = bytes_per_device(state, s_sharding)
     out = {"params": bytes_per_device(state.params, s_sharding.params),
            "optimizer": bytes_per_device(state.opt_state, s_sharding.opt_state),
-           "grads": bytes_per_device(grads, p_sharding)}
+           "grads": bytes_per_device(grads, grad_sharding)}
     out["other"] = total - out["params"] - out["optimizer"]
     return tuple(out.items())
