@@ -1,0 +1,100 @@
+"""The planner's memory model against XLA's own estimate of the compiled train step, over layouts of every kind
+(dense and MoE, every pipeline schedule, each recomputation policy, context and expert parallelism), on 8 CPU
+devices. The model is small, but its sequence and hidden sizes make activations and states, not fixed overheads,
+most of each device's memory."""
+
+import time
+
+import jax
+import pytest
+
+from mjax.parallel.layout import validate_layout
+from mjax.plan.compiled import compiled_bytes
+from mjax.plan.memory import memory
+from tests.helpers.train_utils import FAST_COMPILE, tiny_config
+
+DENSE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=1024,
+             vocab_size=1024)
+MOE = dict(DENSE, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512)
+TOLERANCE = 0.10  # the planner's target (docs/planner.md)
+
+# (model, parallel, remat policy, micro-batch size)
+LAYOUTS = [
+    (DENSE, dict(), "none", 2),
+    (DENSE, dict(), "selective", 2),
+    (DENSE, dict(), "full", 2),
+    (DENSE, dict(tp=2, sequence_parallel=True), "none", 2),
+    (DENSE, dict(tp=4), "selective", 4),
+    (DENSE, dict(fsdp=8, dp=1), "none", 2),
+    (DENSE, dict(use_distributed_optimizer=True), "selective", 1),
+    (DENSE, dict(pp=2), "none", 1),
+    (DENSE, dict(pp=2, pipeline_schedule="gpipe"), "selective", 1),
+    (DENSE, dict(pp=2, vpp=2, pipeline_schedule="interleaved_1f1b"), "full", 1),
+    (DENSE, dict(pp=2, vpp=2, pipeline_schedule="interleaved"), "none", 1),
+    (DENSE, dict(pp=4, tp=2), "full", 2),
+    (DENSE, dict(cp=2, cp_comm_type="p2p"), "none", 2),
+    (DENSE, dict(cp=2, cp_comm_type="all_gather"), "selective", 2),
+    (DENSE, dict(cp=2, cp_comm_type="a2a"), "none", 2),
+    (DENSE, dict(cp=4, tp=2), "full", 4),
+    (MOE, dict(ep=8), "none", 2),
+    (MOE, dict(ep=4), "selective", 2),
+    (MOE, dict(ep=2, tp=2, sequence_parallel=True), "none", 2),
+    (MOE, dict(ep=4, tp=2, expert_tensor_parallel_size=1), "full", 2),
+    (MOE, dict(pp=2, ep=4), "none", 1),
+    (MOE, dict(ep=2, cp=2), "selective", 2),
+]
+
+
+# Layouts (indexes into LAYOUTS) the model still under-predicts by more than TOLERANCE, with the error measured when
+# they were listed (docs/planner.md, "Accuracy"): pipelines (7-11) hold more than the stash plus one stage; context
+# parallelism with all_gather / a2a (13, 14) keeps full-sequence K/V or heads the local trace does not see; MoE with
+# recomputation, sequence parallelism, a pipeline or cp (16-18, 20, 21). The test fails when one of them comes within
+# TOLERANCE (move it out of this set) or when any other layout leaves it.
+KNOWN_MISSES = {
+    7: -0.46, 8: -0.46, 9: -0.33, 10: -0.26, 11: -0.18, 13: -0.16, 14: -0.16, 15: -0.14,
+    16: -0.12, 17: -0.29, 18: -0.27, 20: -0.24, 21: -0.45,
+}
+
+
+def layout_config(model, parallel, remat, micro):
+    return tiny_config(model=model, parallel=parallel, execution=dict(remat_policy=remat),
+                       train=dict(seq_length=256, global_batch_size=16, micro_batch_size=micro))
+
+
+def accuracy_rows(layouts=LAYOUTS):
+    rows = []
+    for model, parallel, remat, micro in layouts:
+        cfg = layout_config(model, parallel, remat, micro)
+        predicted = memory(cfg, validate_layout(cfg, 8), 8)
+        t = time.perf_counter()
+        got = compiled_bytes(cfg, jax.devices(), FAST_COMPILE)
+        rows.append((("moe " if model is MOE else "dense ") + str(parallel) + f" {remat} mbs{micro}",
+                     predicted, got, time.perf_counter() - t))
+    return rows
+
+
+def format_rows(rows) -> str:
+    lines = []
+    for name, predicted, got, seconds in rows:
+        error = predicted.total / got["total"] - 1
+        lines.append(f"{name:<70} predicted {predicted.total / 2**20:8.1f} MiB (act {predicted.activations / 2**20:6.1f}"
+                     f", transient {predicted.transient / 2**20:5.1f}) XLA {got['total'] / 2**20:8.1f} MiB "
+                     f"(temp {got['temporaries'] / 2**20:6.1f}) {error:+6.1%} [{seconds:.1f}s]")
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_predicted_memory_is_within_ten_percent_of_xla():
+    """One compile per layout (about 4 minutes on 2 loaded cores); every miss is reported at once."""
+    rows = accuracy_rows()
+    misses = {i for i, r in enumerate(rows) if abs(r[1].total / r[2]["total"] - 1) > TOLERANCE}
+    assert misses == set(KNOWN_MISSES), (
+        f"layouts off by more than {TOLERANCE:.0%}: {sorted(misses)}, listed as known misses: "
+        f"{sorted(KNOWN_MISSES)}\n" + format_rows(rows))
+
+
+if __name__ == "__main__":  # the accuracy table (docs/planner.md): python -m tests.integration.test_plan_memory [i,j]
+    import sys
+
+    picked = [LAYOUTS[int(i)] for i in sys.argv[1].split(",")] if len(sys.argv) > 1 else LAYOUTS
+    print(format_rows(accuracy_rows(picked)))
