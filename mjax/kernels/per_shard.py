@@ -11,6 +11,7 @@ of a dimension it holds; a result that each shard holds only part of is combined
 
 Inside a shard_map manual over some mesh axes (the pipeline's), the partitioner passes no mesh, only shardings over
 the other axes; they are read against the mesh the call was traced under, so the kernel runs per shard there too.
+Inside a shard_map whose other axes all have size 1, the kernel runs on the device's arrays directly.
 `custom_partitioning` has no autodiff rule: a differentiable kernel wraps its forward and backward each.
 """
 
@@ -132,4 +133,19 @@ def per_shard(local_fn, rule: str, *, replicated: tuple[str, ...] = (), multiple
     op = custom_partitioning(whole_arrays, static_argnums=(0,))
     op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=tuple(sorted(replicated, key=order.index)))
-    return lambda *args: op(jax.sharding.get_abstract_mesh(), *args)
+    def run(*args):
+        context = jax.sharding.get_abstract_mesh()
+        if _all_manual(context):  # every axis that splits anything is manual here: the arrays are this device's
+            return whole_arrays(context, *args)
+        return op(context, *args)
+
+    return run
+
+
+def _all_manual(context) -> bool:
+    """Inside a shard_map whose auto axes all have size 1, custom_partitioning sees only manual shardings, which
+    it cannot take (jax 0.11/0.12 assert): there is nothing left to partition."""
+    if context.empty:
+        return False
+    kinds = list(zip(context.axis_sizes, context.axis_types))
+    return any(t == AxisType.Manual for _, t in kinds) and all(t == AxisType.Manual or n == 1 for n, t in kinds)

@@ -46,6 +46,7 @@ def _inputs(n, k):
 CASES = {  # name: (comm type, a2a group size, cp, tp, heads, kv heads, load balanced)
     "p2p_cp4_tp2": ("p2p", None, 4, 2, 4, 2, True),
     "p2p_cp8_naive": ("p2p", None, 8, 1, 4, 2, False),
+    "p2p_cp2_alone": ("p2p", None, 2, 1, 4, 2, True),  # context the only axis that splits: kernels unpartitioned
     "all_gather_cp4_tp2": ("all_gather", None, 4, 2, 4, 2, True),
     "a2a_cp4_tp2_kv_repeated": ("a2a", None, 4, 2, 8, 2, True),
     "a2a_cp2_tp2": ("a2a", None, 2, 2, 8, 4, True),
@@ -87,7 +88,7 @@ def test_matches_one_device(case, masks, impl="xla"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["p2p_cp4_tp2", "a2a+p2p_cp4_tp2"])
+@pytest.mark.parametrize("case", ["p2p_cp4_tp2", "a2a+p2p_cp4_tp2", "p2p_cp2_alone"])
 def test_pallas_blocks_match_one_device(case):
     """The same through the Pallas kernel (interpret mode): traced offsets and the blockwise backward."""
     test_matches_one_device(case, "window_and_documents", impl="pallas")
