@@ -81,8 +81,8 @@ def mla_rules(stack: str) -> tuple:
 
 M = L + "mlp."
 DEEPSEEK_V2_RULES = (EMBEDDING, *mla_rules("layers"), *mlp_rules(M, "layers/mlp"), *mla_rules("moe_layers"),
-                     rule(M + "gate.weight", ROUTER, LINEAR), *expert_rules(M), *mlp_rules(M + "shared_experts.", SHARED),
-                     *OUTPUT)
+                     rule(M + "gate.weight", ROUTER, LINEAR), *expert_rules(M),
+                     *mlp_rules(M + "shared_experts.", SHARED), *OUTPUT)
 DEEPSEEK_V3_RULES = (*DEEPSEEK_V2_RULES,
                      rule(M + "gate.e_score_correction_bias", "moe_layers/mlp/router/expert_bias", IDENTITY))
 

@@ -80,7 +80,8 @@ def mla_oracle(p: dict, x, pos, c: ModelConfig):
         c_q = _rms(x @ p["q_down_proj"], p["q_norm"])  # [T, Rq]: the compressed query
         q = np.einsum("tr,rnh->tnh", c_q, p["q_up_proj"])
     down = x @ p["kv_down_proj"]
-    c_kv, k_r = _rms(down[:, :kv_rank], p["kv_norm"]), _rope(down[:, kv_rank:], pos, inv, rope_factor)  # [T, C], [T, dr]
+    c_kv = _rms(down[:, :kv_rank], p["kv_norm"])  # [T, C]: the compressed keys and values
+    k_r = _rope(down[:, kv_rank:], pos, inv, rope_factor)  # [T, dr]: the one RoPE key
     up = np.einsum("tc,cnh->tnh", c_kv, p["kv_up_proj"])
     t = x.shape[0]
     heads = []
