@@ -19,6 +19,7 @@ from mjax.config import Config, ConfigError, ModelConfig
 from mjax.convert import source, tokenizer
 from mjax.storage import params as params_io
 from mjax.convert.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, MLA_FAMILIES
+from mjax.convert.fp8_blocks import DequantizingReader, fp8_block_size
 from mjax.convert.gpt2 import GPT2
 from mjax.convert.llama import LLAMA, MISTRAL, QWEN2
 from mjax.convert.moe import DEEPSEEK_MOE, MIXTRAL, MOE_FAMILIES, OLMOE, QWEN2_MOE, QWEN3_MOE
@@ -32,7 +33,8 @@ MODEL_TYPES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "gpt2": GPT2,
                "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE, "olmoe": OLMOE, "deepseek": DEEPSEEK_MOE,
                "deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3}
 # HF keys the families write; an original config's other keys (bos/eos ids, ...) are carried through on export.
-MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures")
+MANAGED = ("rope_theta", "rope_scaling", "rope_parameters", "layer_types", "torch_dtype", "dtype", "architectures",
+           "quantization_config")  # export writes no FP8 (mjax/convert/fp8_blocks.py)
 
 
 def read_hf_config(directory) -> dict:
@@ -126,6 +128,9 @@ def iter_params(directory, dtype=None):
     family = family_for(hf)
     model_cfg = model_config_from_hf(hf)
     reader = SafetensorsReader(directory)
+    block = fp8_block_size(hf)
+    if block:  # FP8 weights with block scales (DeepSeek-V3): read dequantised to bf16
+        reader = DequantizingReader(reader, block)
     plan = plan_import(reader, family, model_cfg)  # every check happens before the first read
     dims = Dims.of(model_cfg)
     shapes = param_shapes(model_cfg)

@@ -1,7 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 (multi-latent attention) against Hugging Face's fixtures made with transformers' own
 classes (tools/make_hf_fixtures.py): V2 without q LoRA and group-limited greedy softmax routing, V3 with q LoRA,
 YaRN, sigmoid routing with e_score_correction_bias. fp32 logits and routing, hf -> mjax -> hf and mjax -> hf -> mjax
-bit for bit, and the config keys mjax cannot express."""
+bit for bit, the config keys mjax cannot express, and FP8 checkpoints with block scales (read dequantised)."""
 
 import dataclasses
 import json
@@ -14,12 +14,13 @@ import pytest
 
 import mjax
 from mjax.convert import hf_to_mjax, mjax_to_hf
-from mjax.convert.hf import model_config_from_hf
+from mjax.convert.hf import model_config_from_hf, params_from_hf
+from mjax.convert.safetensors_io import SafetensorsWriter
 from mjax.convert.spec import ConversionError
 from mjax.model import build_model
 from mjax.storage import params as params_io
 from tests.helpers.convert_utils import (FIXTURES, LOGITS_ATOL, assert_same_tensors, convert_both_ways,
-                                         next_token_loss, reference)
+                                         next_token_loss, read_safetensors, reference)
 
 pytestmark = pytest.mark.slow  # compiles two small models several times
 NAMES = ("deepseek_v2", "deepseek_v3")
@@ -109,3 +110,63 @@ def test_mjax_round_trip_reproduces_every_parameter(name, converted, tmp_path):
 def test_unsupported_config_keys_are_named(name, change, key):
     with pytest.raises(ConversionError, match=key):
         model_config_from_hf(dict(_hf_config(name), **change))
+
+
+def _fp8_blocks(w, block):
+    """Test-side blockwise quantizer: (float8_e4m3fn [O, I], scale_inv [O/b, I/b] fp32), amax of a block -> 448."""
+    o, i = w.shape
+    so, si = -(-o // block), -(-i // block)
+    padded = np.zeros((so * block, si * block), np.float32)
+    padded[:o, :i] = np.abs(w)
+    scale = np.maximum(padded.reshape(so, block, si, block).max((1, 3)), 1e-12) / 448.0
+    q = np.empty((o, i), ml_dtypes.float8_e4m3fn)
+    for r in range(so):
+        for c in range(si):
+            rows, cols = slice(r * block, (r + 1) * block), slice(c * block, (c + 1) * block)
+            q[rows, cols] = (w[rows, cols] / scale[r, c]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def _write(directory, cfg, tensors):
+    writer = SafetensorsWriter(directory, [(k, a.shape, a.dtype) for k, a in tensors.items()], 100_000)
+    for k, a in tensors.items():
+        writer.write(k, a)
+    writer.close()
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+def test_fp8_block_scaled_checkpoint_imports_dequantised(tmp_path):
+    """DeepSeek-V3's published layout: linear weights in float8_e4m3fn with weight_scale_inv per 16 x 16 block here
+    (128 x 128 there). Import equals importing the bf16 weights dequantised block by block in this test."""
+    cfg, block = _hf_config("deepseek_v3"), 16
+    fp8, dequantised = {}, {}
+    for k, a in read_safetensors(FIXTURES / "deepseek_v3").items():
+        if not (k.endswith("proj.weight") or k.endswith("proj_with_mqa.weight")):  # norms, router, embeddings
+            fp8[k] = dequantised[k] = a
+            continue
+        w = a.astype(np.float32)
+        q, scale = _fp8_blocks(w, block)
+        fp8[k], fp8[k[:-len("weight")] + "weight_scale_inv"] = q, scale
+        d = np.empty(w.shape, np.float32)
+        for r in range(scale.shape[0]):
+            for c in range(scale.shape[1]):
+                rows, cols = slice(r * block, (r + 1) * block), slice(c * block, (c + 1) * block)
+                d[rows, cols] = q[rows, cols].astype(np.float32) * scale[r, c]
+        assert np.abs(d - w).max() <= np.abs(w).max() / 8  # e4m3 keeps 3 mantissa bits: the scales point the right way
+        dequantised[k] = d.astype(ml_dtypes.bfloat16)
+    assert sum(k.endswith("weight_scale_inv") for k in fp8) >= 20
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    _write(tmp_path / "fp8", dict(cfg, quantization_config=quant), fp8)
+    _write(tmp_path / "bf16", cfg, dequantised)
+    _, got = params_from_hf(tmp_path / "fp8")
+    _, want = params_from_hf(tmp_path / "bf16")
+    assert sorted(got) == sorted(want)
+    for p, a in want.items():
+        assert (got[p].dtype, got[p].tobytes()) == (a.dtype, a.tobytes()), p
+    hf_to_mjax(tmp_path / "fp8", tmp_path / "mjax")
+    mjax_to_hf(tmp_path / "mjax", tmp_path / "out")  # written in bf16, so without the FP8 quantization_config
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    bad = dict(cfg, quantization_config=dict(quant, fmt="e5m2"))
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConversionError, match="fmt"):
+        params_from_hf(tmp_path / "fp8")
