@@ -16,6 +16,7 @@ from mjax.config.validate import REMAT_NAMES, validate
 from mjax.kernels.attention import dot_product_attention
 from mjax.model.mla import LATENT_NORM_EPS, MLAttention
 from mjax.sharding import single_device
+from tests.unit.test_megatron_flags import parse  # noqa: F401  (the command-line fixture)
 
 BASE = dict(hidden_size=32, num_attention_heads=4, multi_latent_attention=True, kv_lora_rank=12, qk_head_dim=8,
             qk_pos_emb_head_dim=6, v_head_dim=5, init_method_std=0.3, num_layers=2)
@@ -198,3 +199,13 @@ def test_inconsistent_sizes_name_the_flag(change, flag):
     cfg = Config().replace(model=dict(CASES["q_lora"], **change))
     with pytest.raises(ConfigError, match=flag):
         validate(cfg)
+
+
+def test_megatron_spellings_of_the_mla_flags(parse):
+    cfg = parse("--config=deepseek_v2_lite", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+                "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rotary-scaling-factor", "4",
+                "--mscale-all-dim", "0.5", "--no-multi-latent-attention", "--multi-latent-attention")
+    m = cfg.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim) == (True, 64, 32, 16, 8, 12)
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_yarn_mscale_all_dim) == ("yarn", 4.0, 0.5)
