@@ -13,12 +13,15 @@ def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
     seq_parallel = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     # MoE parallel folding: with --expert_tensor_parallel_size=1 the experts are split over expert x tensor.
     expert_tp = cfg.parallel.expert_tensor_parallel_size in (None, cfg.parallel.tp)
+    # Context-parallel ranks hold the same parameters, as data-parallel ones do: FSDP shards over both (as
+    # Megatron-FSDP over its dp x cp group).
+    fsdp = ("fsdp", "context") if cfg.parallel.fsdp > 1 and cfg.parallel.cp > 1 else ("fsdp",)
     return {
         "batch": BATCH_AXES,
         "seq": ("context",),
         "residual_seq": ("context", "tensor") if seq_parallel else ("context",),
         "act_embed": (),
-        "embed": ("fsdp",),
+        "embed": fsdp,
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "mlp": ("tensor",),
@@ -80,7 +83,8 @@ def _dict_keys(path) -> tuple:
 def state_shardings(mesh, abstract_state, params_sharding: dict, zero1: bool = False):
     """Shardings of the train state. `params` keep their own; a leaf elsewhere (optimizer moments) whose dict-key
     path ends with a parameter's path and has its shape gets that parameter's sharding, additionally split over
-    the `data` axis with ZeRO-1; everything else is replicated."""
+    the `data` and `context` axes with ZeRO-1 (the ranks holding the same parameters: Megatron's distributed
+    optimizer shards over dp x cp); everything else is replicated."""
     flat = jax.tree_util.tree_flatten_with_path(params_sharding)[0]
     by_path = {_dict_keys(p): s for p, s in flat}
 
@@ -90,7 +94,10 @@ def state_shardings(mesh, abstract_state, params_sharding: dict, zero1: bool = F
         for start in range(len(keys)):
             sharding = by_path.get(keys[start:])
             if sharding is not None and len(sharding.spec) <= len(getattr(leaf, "shape", ())):
-                return add_axis(sharding, leaf.shape, "data") if zero1 and not in_params else sharding
+                if zero1 and not in_params:
+                    for axis in ("data", "context"):
+                        sharding = add_axis(sharding, leaf.shape, axis)
+                return sharding
         return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)

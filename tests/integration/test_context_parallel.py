@@ -148,3 +148,27 @@ def test_training_logs_the_attention_imbalance_it_removed():
     for record in result.history:
         assert 1.0 <= record["attention_imbalance"] < record["attention_imbalance_before"], record
 
+
+
+def _spec_axes(sharding) -> set:
+    return {a for entry in sharding.spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def test_zero1_and_fsdp_shard_the_state_over_context_too():
+    """Context-parallel ranks hold the same parameters, as data-parallel ranks do: ZeRO-1 splits the Adam moments
+    over data x context (Megatron's distributed optimizer over dp x cp), FSDP the parameters over fsdp x context;
+    the moments after one step equal one device's (tolerances as test_parallel's ZeRO-1 test)."""
+    fsdp = build(tiny_config(parallel=dict(cp=2, fsdp=2), model=MODEL, train=dict(seq_length=SEQ)))
+    assert {"fsdp", "context"} <= _spec_axes(fsdp.state_sharding.params["layers"]["attn"]["q_proj"]["kernel"])
+
+    def moments(parallel, devices):
+        cfg = tiny_config(parallel=parallel, model=MODEL, train=dict(train_iters=1, seq_length=SEQ))
+        adam = run_steps(cfg, devices)[1].opt_state[0]  # optax.adamw: (ScaleByAdamState, ...)
+        return adam.mu, adam.nu
+
+    (mu, nu), (ref_mu, ref_nu) = moments(dict(cp=2, use_distributed_optimizer=True), jax.devices()), moments(
+        {}, jax.devices()[:1])
+    assert {"data", "context"} <= _spec_axes(mu["layers"]["attn"]["q_proj"]["kernel"].sharding)
+    for got, want, atol in ((mu, ref_mu, 1e-8), (nu, ref_nu, 1e-9)):
+        for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want))):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=atol)
