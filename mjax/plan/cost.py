@@ -81,7 +81,8 @@ def comm_bytes(cfg, batching, state) -> dict[str, tuple[float, float]]:
         chunks = p.vpp if pipeline_schedule(p) in ("interleaved_1f1b", "interleaved") else 1
         out["pipeline"] = (2 * act / (p.tp if p.sequence_parallel else 1) * micro * chunks, 1.0)
     dp = batching.shards // (p.fsdp * p.ep)
-    grads = state["grads"]  # fp32, per device, as sharded by tp / pp / ep
+    # fp32 gradients per device as sharded by tp / pp / ep / fsdp (before ZeRO-1 splits them over data)
+    grads = state["params"] * 4 // BYTES[cfg.precision.params_dtype]
     if dp > 1:  # gradient all-reduce (or reduce-scatter + all-gather of the params with ZeRO-1): same bytes
         out["data"] = (2 * (dp - 1) / dp * grads, 1.0)  # overlappable with the last micro-batch's backward
     if p.fsdp > 1:  # params all-gathered for forward and backward, grads reduce-scattered, per micro-batch
