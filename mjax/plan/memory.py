@@ -19,7 +19,7 @@ class Memory:
     optimizer: int
     other: int  # FP8 state, step, rng, loss scale
     activations: int  # kept for the backward, at the schedule's peak
-    transient: int  # the largest short-lived buffer: attention scores or the logits
+    transient: int  # short-lived: a recomputed layer, the fp32 logits and their gradient
 
     @property
     def total(self) -> int:
