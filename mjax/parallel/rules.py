@@ -13,15 +13,12 @@ def logical_rules(cfg) -> dict[str, tuple[str, ...]]:
     seq_parallel = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
     # MoE parallel folding: with --expert_tensor_parallel_size=1 the experts are split over expert x tensor.
     expert_tp = cfg.parallel.expert_tensor_parallel_size in (None, cfg.parallel.tp)
-    # Context-parallel ranks hold the same parameters, as data-parallel ones do: FSDP shards over both (as
-    # Megatron-FSDP over its dp x cp group).
-    fsdp = ("fsdp", "context") if cfg.parallel.fsdp > 1 and cfg.parallel.cp > 1 else ("fsdp",)
     return {
         "batch": BATCH_AXES,
         "seq": ("context",),
         "residual_seq": ("context", "tensor") if seq_parallel else ("context",),
         "act_embed": (),
-        "embed": fsdp,
+        "embed": ("fsdp",),
         "heads": ("tensor",),
         "kv_heads": ("tensor",),
         "mlp": ("tensor",),

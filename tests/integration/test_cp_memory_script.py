@@ -56,11 +56,10 @@ def test_table_has_every_cell_and_temporaries_fall_with_cp(tmp_path):
             assert c["total_bytes"] == c["argument_bytes"] + c["output_bytes"] - c["alias_bytes"] + c["temp_bytes"]
     for cp in (1, 2):
         assert cases[2048, cp]["temp_bytes"] > 1.5 * cases[1024, cp]["temp_bytes"]
-        # arguments: the state as sharded (over fsdp x context: 8 ways whatever cp), and the batch: 4 int32/f32
-        # rows of a whole sequence per device (placed split over the batch only; the context ranks take their part
-        # inside the step)
+        # arguments: the state as sharded, and the batch: 4 int32/f32 rows of a whole sequence per device (placed
+        # split over the batch only; the context ranks take their part inside the step)
         for seq in (1024, 2048):
-            want = _state_bytes_per_device(8) + 4 * 4 * seq
+            want = _state_bytes_per_device(8 // cp) + 4 * 4 * seq
             assert cases[seq, cp]["argument_bytes"] == pytest.approx(want, rel=1e-3), (seq, cp)
 
 
