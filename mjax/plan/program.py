@@ -86,7 +86,9 @@ def _validate(plan, machine, k: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(trial=None) -> int:
+    """`trial(plan, machine) -> list of rows`: the --trial runs (scripts/plan.py passes the benchmark harness's;
+    the library cannot import the benchmarks)."""
     cfg = config_from_flags()
     machine = _machine(cfg)
     plan = make_plan(cfg, machine, _space(cfg))
@@ -94,20 +96,21 @@ def main() -> int:
     if plan.ranked:
         print("winner:", train_command(plan.ranked[0].cfg, FLAGS.config))
     validated = _validate(plan, machine, FLAGS.validate) if FLAGS.validate else []
+    trials = trial(plan, machine) if trial is not None else []
     if FLAGS.json_out:
         out = {"machine": dataclasses.asdict(machine), "refused": plan.refused,
                "ranked": [p.row(machine) | {"command": train_command(p.cfg, FLAGS.config)} for p in plan.ranked],
-               "rejected": [p.row(machine) for p in plan.rejected], "validated": validated}
+               "rejected": [p.row(machine) for p in plan.rejected], "validated": validated, "trials": trials}
         Path(FLAGS.json_out).write_text(json.dumps(out, indent=1))
     return 0
 
 
-def entry() -> None:
+def entry(trial=None) -> None:
     def wrapped(argv):
         try:
             if len(argv) > 1:
                 raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])} (flags are written --name=value)")
-            return main()
+            return main(trial)
         except ConfigError as e:
             sys.stderr.write(f"{Path(argv[0]).stem}: {e}\n")
             return BAD_INPUT
