@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--config=tiny", "--num_layers=2", "--seq_length=64", "--global_batch_size=8", "--remat_policies=none",
          "--max_pp=2", "--max_cp=2"]
@@ -19,7 +17,6 @@ def _plan(*args):
                           text=True, timeout=300)
 
 
-@pytest.mark.slow  # a subprocess importing JAX: 10-15 s on 2 loaded cores
 def test_a_plan_ranks_layouts_and_writes_the_winner_command(tmp_path):
     out = tmp_path / "plan.json"
     r = _plan(*SMALL, "--num_gpus=8", "--gpu=h100", f"--json_out={out}")
@@ -32,7 +29,6 @@ def test_a_plan_ranks_layouts_and_writes_the_winner_command(tmp_path):
     assert times == sorted(times) and all(row["reject"] is None for row in plan["ranked"])
 
 
-@pytest.mark.slow  # four subprocesses: about 30 s
 def test_bad_input_is_one_line_and_exit_code_2():
     for args, word in ((["--num_gpus=8", "--gpu=a100"], "--gpu=a100"), (["--gpu=h100"], "--num_gpus"),
                        (["--num_gpus=12", "--gpus_per_node=8", "--gpu=h100"], "--num_gpus=12"),
