@@ -80,10 +80,10 @@ def comm_bytes(cfg, batching, state) -> dict[str, tuple[float, float]]:
     if p.pp > 1:  # each micro-batch's stage output forward and its gradient backward, per chunk
         chunks = p.vpp if pipeline_schedule(p) in ("interleaved_1f1b", "interleaved") else 1
         out["pipeline"] = (2 * act / (p.tp if p.sequence_parallel else 1) * micro * chunks, 1.0)
-    dp = batching.shards // (p.fsdp * p.ep)
+    dp = batching.shards // (p.fsdp * p.ep) * p.cp  # context-parallel ranks hold the same parameters too
     # fp32 gradients per device as sharded by tp / pp / ep / fsdp (before ZeRO-1 splits them over data)
     grads = state["params"] * 4 // BYTES[cfg.precision.params_dtype]
-    if dp > 1:  # gradient all-reduce (or reduce-scatter + all-gather of the params with ZeRO-1): same bytes
+    if dp > 1:  # gradient all-reduce over dp x cp (reduce-scatter + all-gather with ZeRO-1): same bytes
         out["data"] = (2 * (dp - 1) / dp * grads, 1.0)  # overlappable with the last micro-batch's backward
     if p.fsdp > 1:  # params all-gathered for forward and backward, grads reduce-scattered, per micro-batch
         full = state["params"] * p.fsdp  # this device's tp / pp share, unsharded over fsdp

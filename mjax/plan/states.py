@@ -51,10 +51,10 @@ def _state_bytes(cfg, num_devices: int) -> tuple:
     p_sharding = param_shardings(mesh, model.logical_axes(), logical_rules(cfg), params)
     s_sharding = state_shardings(mesh, state, p_sharding, cfg.parallel.use_distributed_optimizer)
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params)
-    # with ZeRO-1 XLA keeps the accumulated fp32 gradients split over `data` like the moments they update
-    # (measured: tests/integration/test_plan_memory.py); otherwise sharded as the params
-    grad_sharding = (jax.tree.map(lambda sh, g: add_axis(sh, g.shape, "data"), p_sharding, grads)
-                     if cfg.parallel.use_distributed_optimizer else p_sharding)
+    # with ZeRO-1 XLA keeps the accumulated fp32 gradients split like the moments they update, over data and
+    # context (measured over data: tests/integration/test_plan_memory.py); otherwise sharded as the params
+    grad_sharding = (jax.tree.map(lambda sh, g: add_axis(add_axis(sh, g.shape, "data"), g.shape, "context"),
+                                  p_sharding, grads) if cfg.parallel.use_distributed_optimizer else p_sharding)
     total = bytes_per_device(state, s_sharding)
     out = {"params": bytes_per_device(state.params, s_sharding.params),
            "optimizer": bytes_per_device(state.opt_state, s_sharding.opt_state),
