@@ -21,6 +21,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear((f,), (d,), in_axes=("mlp",), out_axes=("embed",), std=output_std(cfg), **common)
 
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        # Sequence parallelism's all-gather (over `tensor` only) made explicit: left to itself, GSPMD gathered the
+        # whole sequence over `context` in the backward here when fsdp, tp + SP and cp meet.
+        x = constrain(x, ("batch", "seq", "act_embed"))
         if self.gated:  # one GEMM for gate and up (Megatron's linear_fc1), their columns interleaved
             f = self.up_proj.kernel.shape[-1]
             pairs = fused_product(x, (self.gate_proj, self.up_proj), ((f, 1), (f, 1)), axis=1, name="mlp_up",

@@ -208,6 +208,7 @@ class CausalLM(nnx.Module):
 
     def logits(self, h):
         """[B, T, D] -> fp32 logits [B, T, padded vocab]."""
+        h = constrain(h, ("batch", "seq", "act_embed"))  # as the MLP's input (mjax/model/mlp.py)
         out = self.embed.attend(h) if not self.cfg.untie_embeddings_and_output_weights else self.lm_head(h)
         return constrain(out.astype(jnp.float32), ("batch", "seq", "vocab"))
 

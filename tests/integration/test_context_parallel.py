@@ -131,6 +131,17 @@ def test_each_comm_type_moves_only_what_it_should(comm):
     assert not any(_has_full_sequence(s) and s[-1] == 64 for _, s in gathers), "the residual stream was gathered"
 
 
+def test_tp_sp_fsdp_never_gather_the_residual_stream_over_the_sequence():
+    """cp2 x tp2 + SP x fsdp2 (FFN 192, so the residual stream's hidden 64 is told apart from a tensor shard's 96
+    FFN columns): sequence parallelism gathers the residual stream over `tensor` only (T / cp tokens per gather);
+    no [.., T, .., 64] gather. (GSPMD still gathers the MLP's hidden [.., T, 96] over the sequence once in this
+    layout: docs/parallelism.md, costs and limits.)"""
+    hlo = _compiled(dict(cp=2, tp=2, sequence_parallel=True, fsdp=2), jax.devices(),
+                    model=dict(MODEL, ffn_hidden_size=192)).as_text()
+    whole = [s for d, s in _collectives(hlo, "all-gather") if d != "s32" and SEQ in s and s[-1] == 64]
+    assert not whole, whole
+
+
 def test_activation_memory_falls_with_cp():
     """One sequence of 2048 tokens: XLA's temporaries per device at cp = 1, 2, 4 (p2p). The activations split over
     the sequence, so each doubling of cp must at least nearly halve them (the weights here are tiny)."""
