@@ -141,7 +141,7 @@ class DataConfig:
     balance_attention_work: bool = field(
         True, "balance_attention_work", "With --reset_attention_mask: order the documents of each row and the rows "
         "of each batch so that every context- and data-parallel rank has the same attention work (the loss is "
-        "unchanged); attention_imbalance is logged either way.")
+        "unchanged; dense models only); attention_imbalance is logged either way.")
     data_cache_path: str | None = field(None, "data_cache_path")
     prefetch: int = field(2, help="Batches prepared ahead in a background thread.")
 

@@ -247,6 +247,10 @@ def validate_context_parallel(cfg: Config) -> None:
         if kv % slots and slots % kv:
             raise ConfigError(f"--cp_comm_type={p.cp_comm_type}: {kv} KV heads (--num_query_groups) must split over "
                               f"or divide --tp x the all-to-all ranks = {slots}")
+    if m.num_experts and m.moe_expert_capacity_factor is not None and m.moe_token_drop_policy == "position":
+        raise ConfigError(f"--moe_token_drop_policy=position with --cp={p.cp}: the position priority would follow the "
+                          "context-parallel token order, not the sequence's; use --moe_token_drop_policy=probs or "
+                          "--cp=1")
     ring = p.cp // a2a
     if (ring > 1 or p.cp_comm_type == "all_gather") and cfg.execution.attention_impl == "cudnn":
         raise ConfigError(f"--cp_comm_type={p.cp_comm_type} attends in blocks at run-time offsets, merged by their "

@@ -21,7 +21,7 @@ all_gather  K/V (never Q, never the residual stream) are all-gathered, put in se
             chunk attends to them with its offset; the backward reduce-scatters dK/dV.
 a2a         Ulysses: all-to-all from sequence-split to head-split (heads grouped per tensor shard, so tensor
             parallelism keeps its split), whole-sequence attention with any kernel (cuDNN too), and back. K/V
-            heads fewer than tp x cp are repeated up to it (their gradients summed back).
+            heads fewer than tp x the all-to-all group are repeated up to it (their gradients summed back).
 
 Blocks are attention with a traced query offset and the log-sum-exp (`dot_product_attention(..., offset=,
 return_lse=True)`): the Pallas kernel (GPU) or the XLA reference; cuDNN takes neither and serves only a2a.
@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from mjax.kernels.attention import attention_block_backward, dot_product_attention
+from mjax.kernels.attention import ATTN_CORE, attention_block_backward, dot_product_attention
 from mjax.sharding import current_logical_sharding
 
 
@@ -242,6 +243,9 @@ def ring_step_forward(how, qs, q_segs, mine, held, theirs, acc):
 
 def _ring_fwd(how, q, k, v, seg):
     out, lse = _ring_forward(how, q, k, v, seg)
+    # Named as the flash kernel names its results: a remat policy that keeps attn_core keeps the ring's output
+    # instead of rerunning the whole ring in the backward.
+    out, lse = checkpoint_name(out, ATTN_CORE), checkpoint_name(lse, ATTN_CORE)
     return out, (q, k, v, seg, out, lse)
 
 
@@ -265,8 +269,8 @@ def _ring_bwd(how, residuals, do):
 
 def ring_step_backward(how, queries, mine, held, theirs, dq, grads):
     """The backward of ring_step_forward: `queries` = (q chunks, their segment ids, the merged out, lse and the
-    out's cotangent, each per chunk); adds this block's dq per query chunk to `dq` and its dK, dV (f32, the whole
-    block) to `grads`."""
+    out's cotangent, each per chunk); adds this block's dq per query chunk to `dq` and its dK, dV (accumulated in
+    f32, the whole block) to `grads`."""
     qs, q_segs, outs, lses, dos = queries
     m = len(qs)
     c = qs[0].shape[1]
@@ -321,9 +325,11 @@ def _heads_split(how, q, k, v, seg):
     n, kh = q.shape[2], k.shape[2]
     slots = how.tp * how.a2a  # head groups: tensor shard major, a2a rank minor
     if n % slots:
-        raise ValueError(f"--cp_comm_type=a2a: {n} attention heads do not split over tp x a2a ranks = {slots}")
+        raise ValueError(f"--cp_comm_type=a2a / a2a+p2p: {n} attention heads do not split over tp x the "
+                         f"all-to-all group = {slots}")
     if kh % slots and slots % kh:
-        raise ValueError(f"--cp_comm_type=a2a: {kh} KV heads neither split over nor divide tp x a2a ranks = {slots}")
+        raise ValueError(f"--cp_comm_type=a2a / a2a+p2p: {kh} KV heads neither split over nor divide tp x the "
+                         f"all-to-all group = {slots}")
     if kh < slots:
         k, v = jnp.repeat(k, slots // kh, axis=2), jnp.repeat(v, slots // kh, axis=2)  # [B, 2c, tp a2a, H]
     q, k, v = (_exchange(how, x, to_heads=True) for x in (q, k, v))

@@ -98,11 +98,14 @@ class Setup:
         cfg, out = self.cfg, {}
         bins = next(iter(batch.values())).shape[0] // self.batching.micro_batch_size
         if cfg.data.reset_attention_mask and (cfg.parallel.cp > 1 or bins > 1):
-            window = cfg.model.window_size
-            if cfg.data.balance_attention_work:
-                batch, self.batch_stats = balance_batch(batch, cp=cfg.parallel.cp, bins=bins, window=window)
+            window, p = cfg.model.window_size, cfg.parallel
+            parts = p.cp // {"a2a": p.cp, "a2a+p2p": (p.hierarchical_context_parallel_sizes or (1,))[0]}.get(
+                p.cp_comm_type, 1)  # an all-to-all group's ranks share its work evenly
+            # MoE: moving rows between micro-batches would change the per-micro-batch balancing terms and capacity
+            if cfg.data.balance_attention_work and not cfg.model.num_experts:
+                batch, self.batch_stats = balance_batch(batch, cp=p.cp, bins=bins, window=window, parts=parts)
             else:
-                value = imbalance(token_work(batch["segment_ids"], window), cfg.parallel.cp, bins)
+                value = imbalance(token_work(batch["segment_ids"], window), p.cp, bins, parts)
                 self.batch_stats = {"attention_imbalance": value, "attention_imbalance_before": value}
         for name, x in to_context_layout(batch, cfg.parallel.cp).items():
             local = x.reshape(self.micro_batches, x.shape[0] // self.micro_batches, *x.shape[1:])

@@ -75,6 +75,17 @@ def test_balancing_keeps_every_document_whole_and_lowers_the_imbalance():
     assert stats["attention_imbalance"] == pytest.approx(imbalance(token_work(out["segment_ids"], None), cp, bins))
     assert stats["attention_imbalance"] < stats["attention_imbalance_before"]
     assert stats["attention_imbalance"] < 1.1, stats
+    assert (np.diff(out["segment_ids"], axis=1) >= 0).all()  # renumbered in order: the kernels' block skipping
+
+
+def test_an_all_to_all_group_counts_as_one_rank():
+    """a2a: every rank of the group attends its heads over the group's whole sequences, so its ranks share the work
+    evenly: with the whole cp axis one group, only the bins can be out of balance."""
+    seg = _segments([[60, 2, 2], [4] * 16], 64)
+    work = token_work(seg, None)
+    assert imbalance(work, cp=4, bins=1) > 1.05  # per rank: the long document's late chunks
+    assert imbalance(work, cp=4, bins=1, parts=1) == 1.0
+    np.testing.assert_array_equal(rank_work(work, 4, parts=2), rank_work(work, 4).reshape(2, 2, 2).sum(2))
 
 
 def test_one_document_per_row_is_left_alone():

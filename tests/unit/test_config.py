@@ -67,6 +67,8 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(precision=dict(fp8_recipe="bogus"), parallel=dict(pp=2)), 2, "--fp8_recipe='bogus' is not one of"),
     (dict(parallel=dict(cp=2), train=dict(seq_length=126)), 2, r"must be divisible by 2 x --cp = 4"),
     (dict(parallel=dict(cp=2, cp_comm_type="ring")), 2, "--cp_comm_type='ring' is not one of"),
+    (dict(model=dict(MOE, moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"), parallel=dict(cp=2)), 2,
+     "--moe_token_drop_policy=position with --cp=2"),
     (dict(parallel=dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 3))), 4,
      r"A x R = --cp=4; got \(2, 3\)"),
     (dict(parallel=dict(cp=2, hierarchical_context_parallel_sizes=(2, 1))), 2, "is for --cp_comm_type=a2a\+p2p"),
