@@ -71,7 +71,7 @@ def test_unknown_preset_lists_the_known_ones():
      "--moe_token_drop_policy=position with --cp=2"),
     (dict(parallel=dict(cp=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 3))), 4,
      r"A x R = --cp=4; got \(2, 3\)"),
-    (dict(parallel=dict(cp=2, hierarchical_context_parallel_sizes=(2, 1))), 2, "is for --cp_comm_type=a2a\+p2p"),
+    (dict(parallel=dict(cp=2, hierarchical_context_parallel_sizes=(2, 1))), 2, r"is for --cp_comm_type=a2a\+p2p"),
     (dict(parallel=dict(cp=8, cp_comm_type="a2a")), 8, "--num_attention_heads=4 must split over --tp x"),
     (dict(parallel=dict(cp=2, cp_comm_type="all_gather"), execution=dict(attention_impl="cudnn")), 2,
      "use --attention_impl=pallas"),
