@@ -59,6 +59,17 @@ def assert_steps_close(steps: list, *, loss: float, grad_norm: float, grad: floa
             assert err < leaf, f"step {i}: the gradient of {k} is {err:.3g} apart"
 
 
+def assert_amaxes_match(steps: list):
+    """FP8 under a layout: every layer's weight amaxes exactly one device's, its input and gradient amaxes within
+    rtol 0.25 (one step's bf16 rounding moves an amax by a few ulps at most; 0.25 catches a lost or doubled one)."""
+    for i, step in enumerate(steps, 1):
+        assert step.want_amax and set(step.got_amax) == set(step.want_amax)
+        for layer, want in step.want_amax.items():  # [..., (x, w, grad)]
+            got = step.got_amax[layer]
+            np.testing.assert_array_equal(got[..., 1], want[..., 1], err_msg=layer)
+            np.testing.assert_allclose(got[..., ::2], want[..., ::2], rtol=0.25, err_msg=f"{layer}, step {i}")
+
+
 def _paths(tree) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
