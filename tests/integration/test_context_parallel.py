@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import build, train
-from tests.helpers.lockstep import assert_steps_close, lockstep
+from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, document_batches, initial_state, run_steps, tiny_config
 
 # Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
@@ -79,6 +79,7 @@ def test_fp8_takes_the_single_device_steps():
     steps = lockstep(cfg({}), cfg(dict(cp=2, tp=2)), jax.devices()[:1], jax.devices()[:4],
                      compiler_options=FAST_COMPILE)
     assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
+    assert_amaxes_match(steps)
 
 
 def _compiled(parallel, devices, seq=SEQ, batch=8, model=MODEL):
