@@ -12,6 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.quant import initial_meta, quantized_matmul
+from mjax.model.norms import layer_norm, rms_norm
 from mjax.sharding import param
 
 
@@ -133,9 +134,7 @@ class RMSNorm(nnx.Module):
         self.scale = param(jnp.ones((features,), param_dtype), ("norm",))
 
     def __call__(self, x):  # statistics in fp32
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -144,12 +143,8 @@ class LayerNorm(nnx.Module):
         self.scale = param(jnp.ones((features,), param_dtype), ("norm",))
         self.bias = param(jnp.zeros((features,), param_dtype), ("norm",))
 
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+    def __call__(self, x):  # statistics in fp32
+        return layer_norm(x, self.scale[...], self.bias[...], self.eps, self.dtype)
 
 
 def make_norm(cfg, *, dtype, param_dtype, features: int | None = None):

@@ -1,7 +1,8 @@
 """Activation bytes a layout keeps for the backward, from the residuals JAX's autodiff saves when it traces the real
 model under the run's recomputation policy (nothing is compiled or allocated): the model is traced as one device
-of the layout sees it (heads, KV heads, FFN and vocab split over tp, experts over ep, the sequence over cp, one
-sequence of the micro-batch), and the sum scales with the micro-batch size."""
+of the layout sees it (heads, KV heads, FFN and vocab split over tp, experts over ep, the sequence over cp), at
+one and at two sequences: what grows with the batch scales with the micro-batch size; the rest (the compute-dtype
+copies of the weights the backward multiplies by) is kept once, whatever the micro-batch."""
 
 import dataclasses
 import functools
@@ -18,7 +19,12 @@ from mjax.sharding import single_device
 @dataclasses.dataclass(frozen=True)
 class Residuals:
     stream: int  # bytes per sequence of tensors [.., seq, hidden] (the residual stream)
-    other: int  # bytes per sequence of everything else
+    other: int  # bytes per sequence of everything else that grows with the batch
+    fixed: int  # bytes kept whatever the batch (weights cast to the compute dtype)
+
+    @property
+    def per_sequence(self) -> int:
+        return self.stream + self.other
 
 
 def local_model(cfg):
@@ -43,11 +49,9 @@ def local_model(cfg):
     return dataclasses.replace(m, **changes)
 
 
-@functools.lru_cache(maxsize=1024)
-def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
-    model = build_model(model_cfg, precision, execution, LayerRunner(execution))
-    params = model.abstract_params()
-    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int, int]:
+    """(bytes of [.., seq, hidden] residuals, bytes of the others) the backward of `batch` sequences keeps."""
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def hidden_sum(p, t):
         out = model.apply(p, t)
@@ -60,23 +64,33 @@ def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
         if "from the argument" in source:  # the weights themselves: counted as state
             continue
         n = aval.size * aval.dtype.itemsize
-        if aval.shape and aval.shape[-1] == model_cfg.hidden_size and seq in aval.shape:
+        if aval.shape and aval.shape[-1] == hidden and seq in aval.shape:
             stream += n
         else:
             other += n
-    return Residuals(stream, other)
+    return stream, other
+
+
+@functools.lru_cache(maxsize=1024)
+def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
+    model = build_model(model_cfg, precision, execution, LayerRunner(execution))
+    params = model.abstract_params()
+    one, two = (_saved_bytes(model, params, b, seq, model_cfg.hidden_size) for b in (1, 2))
+    stream, other = two[0] - one[0], two[1] - one[1]
+    return Residuals(stream, other, one[0] + one[1] - stream - other)
 
 
 def residuals(cfg) -> Residuals:
-    """Residual bytes of one sequence (seq / cp positions) on one device of the layout."""
+    """Residual bytes on one device of the layout, per sequence (seq / cp positions) and fixed."""
     m, p = cfg.model, cfg.parallel
     return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // p.cp)
 
 
-def model_activation_bytes(cfg, micro_batch_size: int) -> int:
-    """Bytes one micro-batch's forward keeps for its backward, over all layers, on one device (no pipeline)."""
+def model_activation_bytes(cfg, micro_batch_size: int) -> tuple[int, int]:
+    """(bytes one micro-batch's forward keeps for its backward over all layers on one device (no pipeline), of
+    which fixed: kept once whatever the number of micro-batches in flight)."""
     r = residuals(cfg)
     # Sequence parallelism does not shrink them: XLA keeps each block's all-gathered input [seq, hidden] for the
     # weight gradient (measured on tests/integration/test_plan_memory.py's tp2 + SP layout: dividing the residual
     # stream by tp under-predicts it by 19%, keeping it whole matches)
-    return int(micro_batch_size * (r.stream + r.other))
+    return micro_batch_size * r.per_sequence + r.fixed, r.fixed

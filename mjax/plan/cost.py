@@ -1,6 +1,7 @@
 """Step time of one layout: Megatron's model FLOPs (mjax/train/metrics.py) plus recomputation over the GEMM rate,
-stretched by the pipeline bubble, plus the communication the schedule cannot hide: bytes per collective per mesh
-axis per step, priced by the link the axis crosses (NVLink within a node, the network across)."""
+plus the device-memory traffic of the weights and gradients (once per micro-batch, and the optimizer's once per
+step), stretched by the pipeline bubble, plus the communication the schedule cannot hide: bytes per collective per
+mesh axis per step, priced by the link the axis crosses (NVLink within a node, the network across)."""
 
 import dataclasses
 
@@ -13,13 +14,14 @@ from mjax.train.metrics import flops_per_step
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     compute_s: float  # GEMMs and recomputation, on one device
+    memory_s: float  # weight and gradient traffic through device memory
     bubble: float  # idle fraction of a pipeline step
     comm_s: dict  # mesh axis -> exposed seconds
     model_flops: float  # per step, Megatron's formula (the MFU numerator)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s / (1 - self.bubble) + sum(self.comm_s.values())
+        return (self.compute_s + self.memory_s) / (1 - self.bubble) + sum(self.comm_s.values())
 
 
 def crosses_node(cfg, machine, axis: str) -> bool:
@@ -48,6 +50,21 @@ def recompute_factor(cfg) -> float:
     if cfg.parallel.pp > 1 and pipeline_schedule(cfg.parallel) in ("1f1b", "interleaved_1f1b"):
         factor += 1 / 3
     return factor
+
+
+def memory_traffic_bytes(cfg, batching, state) -> float:
+    """Bytes one device moves through its memory per step for the weights and gradients: per micro-batch the
+    weights cast to the compute dtype (fp32 read, copy written), that copy read by the forward, the input gradient
+    and a full recomputation, and the fp32 weight gradient written (and added into the accumulated one when
+    micro-batches accumulate); per step the optimizer (Adam: params, gradient and both moments read, params and
+    moments written). Small micro-batches pay the per-micro-batch part more often (their GEMMs are short in M)."""
+    c = BYTES[cfg.precision.compute_dtype]
+    params = state["params"] / BYTES[cfg.precision.params_dtype]  # elements on this device
+    weight_reads = 3 if cfg.execution.remat_policy == "full" else 2
+    accumulate = 8 if batching.micro_batches > 1 else 0
+    per_micro = params * (4 + c + weight_reads * c + 4 + accumulate)
+    optimizer = (state["params"] + state["optimizer"]) * 2 + state["grads"]
+    return per_micro * batching.micro_batches + optimizer
 
 
 def comm_bytes(cfg, batching, state) -> dict[str, tuple[float, float]]:
@@ -105,5 +122,6 @@ def step_time(cfg, batching, state, machine) -> StepTime:
         gbps = machine.inter_node_gbps if crosses_node(cfg, machine, axis) else machine.intra_node_gbps
         # `overlap`: what the schedule could hide at best; machine.comm_overlap: how much of that it does
         comm[axis] = nbytes / (gbps * 1e9) * (1 - overlap * machine.comm_overlap)
-    return StepTime(compute, bubble_fraction(cfg, batching), comm, flops)
+    memory_s = memory_traffic_bytes(cfg, batching, state) / (machine.hbm_gbps * 1e9)
+    return StepTime(compute, memory_s, bubble_fraction(cfg, batching), comm, flops)
 

@@ -4,10 +4,11 @@ import dataclasses
 
 from mjax.config import ConfigError
 
-# name: (memory GiB, dense bf16 peak TFLOP/s, NVLink GB/s per direction per GPU, network GB/s per GPU)
+# name: (memory GiB, dense bf16 peak TFLOP/s, NVLink GB/s per direction per GPU, network GB/s per GPU, HBM GB/s)
 # Peaks as mjax/train/metrics.py's MFU table; links: NVLink 4 (H100/H200) 450 GB/s, NVLink 5 (B200) 900 GB/s,
-# one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
-GPUS = {"h100": (80.0, 989.0, 450.0, 50.0), "h200": (141.0, 989.0, 450.0, 50.0), "b200": (180.0, 2250.0, 900.0, 50.0)}
+# one 400 Gb/s InfiniBand NIC per GPU (50 GB/s); HBM: the datasheets' 3.35 / 4.8 / 8 TB/s.
+GPUS = {"h100": (80.0, 989.0, 450.0, 50.0, 3350.0), "h200": (141.0, 989.0, 450.0, 50.0, 4800.0),
+        "b200": (180.0, 2250.0, 900.0, 50.0, 8000.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Machine:
     intra_node_gbps: float = 450.0  # GB/s per GPU within a node
     inter_node_gbps: float = 50.0  # GB/s per GPU across nodes
     comm_overlap: float = 0.5  # fraction of data-parallel / pipeline traffic hidden behind compute
+    hbm_gbps: float = 3350.0  # GB/s of device memory: the weight and gradient traffic of each micro-batch
 
     @property
     def gemm_tflops(self) -> float:
@@ -38,10 +40,12 @@ def machine_from(num_gpus: int, gpus_per_node: int, gpu: str | None = None, memo
         if gpu.lower() not in GPUS:
             raise ConfigError(f"--gpu={gpu}: known GPUs are {', '.join(GPUS)}; or give --gpu_memory_gib and "
                               "--peak_tflops")
-        mem, peak, intra, inter = GPUS[gpu.lower()]
+        mem, peak, intra, inter, hbm = GPUS[gpu.lower()]
         memory_gib, peak_tflops = memory_gib or mem, peak_tflops or peak
         links.setdefault("intra_node_gbps", intra)
         links.setdefault("inter_node_gbps", inter)
+        if links.get("hbm_gbps") is None:
+            links["hbm_gbps"] = hbm
     if memory_gib is None or peak_tflops is None:
         raise ConfigError("give --gpu=h100|h200|b200, or both --gpu_memory_gib and --peak_tflops")
     links = {k: v for k, v in links.items() if v is not None}

@@ -30,23 +30,23 @@ def activation_bytes(cfg, batching) -> int:
     """Activations kept at the schedule's peak on the busiest device (pipeline stage 0)."""
     p, m = cfg.parallel, cfg.model
     tokens = batching.micro_batch_size * cfg.train.seq_length // p.cp
-    model = model_activation_bytes(cfg, batching.micro_batch_size)
-    stage = model / p.pp  # one stage's layers
-    stage_input = tokens * m.hidden_size * BYTES[cfg.precision.compute_dtype]
-    micro = batching.micro_batches
+    model, fixed = model_activation_bytes(cfg, batching.micro_batch_size)
     if p.pp == 1:
         return int(model)  # accumulation runs one micro-batch at a time
+    stage, fixed = (model - fixed) / p.pp, fixed / p.pp  # one stage's layers: per micro-batch, once
+    stage_input = tokens * m.hidden_size * BYTES[cfg.precision.compute_dtype]
+    micro = batching.micro_batches
     schedule = pipeline_schedule(p)
     if schedule == "1f1b":  # stage inputs stashed, the stage forward recomputed in its backward slot
-        return int(min(2 * p.pp - 1, micro) * stage_input + stage)
+        return int(min(2 * p.pp - 1, micro) * stage_input + stage + fixed)
     if schedule == "interleaved_1f1b":
         chunks = min(2 * p.pp - 1 + (p.vpp - 1) * p.pp, micro * p.vpp)
-        return int(chunks * stage_input + stage / p.vpp)
+        return int(chunks * stage_input + (stage + fixed) / p.vpp)
     extra_inputs = micro * stage_input if schedule == "interleaved" else 0
-    return int(micro * stage + extra_inputs)  # gpipe / interleaved: every micro-batch's activations
+    return int(micro * stage + fixed + extra_inputs)  # gpipe / interleaved: every micro-batch's activations
 
 
-def transient_bytes(cfg, batching) -> int:
+def transient_bytes(cfg, batching, on_gpu: bool = False) -> int:
     """The largest buffers live only within one layer or the loss: a recomputed layer's activations (with
     recomputation) and the fp32 logits and their gradient."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -55,19 +55,23 @@ def transient_bytes(cfg, batching) -> int:
     positions = seq // p.cp
     if cfg.execution.cross_entropy_impl == "fused":
         positions = min(positions, cfg.execution.cross_entropy_chunk)
-    logits = b * positions * vocab * (4 + 4 + BYTES[cfg.precision.compute_dtype])
+    c = BYTES[cfg.precision.compute_dtype]
+    # the logits in the compute dtype, their fp32 copy and fp32 gradient; a GPU fuses the fp32 copy into the
+    # log-sum-exp and the gradient's cast into its producer (each read or written once in the compute dtype)
+    logits = b * positions * vocab * (2 * c if on_gpu else 4 + 4 + c)
     recomputed = 0
     if cfg.execution.remat_policy != "none":  # what one layer's backward recomputes, live within it
         everything = cfg.replace(execution=dict(remat_policy="none"))
-        recomputed = (model_activation_bytes(everything, b) - model_activation_bytes(cfg, b)) // m.num_layers
+        recomputed = (model_activation_bytes(everything, b)[0] - model_activation_bytes(cfg, b)[0]) // m.num_layers
     return logits + recomputed
 
 
 def memory(cfg, batching, num_devices: int, on_gpu: bool = False) -> Memory:
-    """`on_gpu`: trace the attention as a GPU runs it (--attention_impl=auto picks a flash kernel there, which keeps
-    no scores), whatever this process's backend; otherwise as this backend runs it."""
+    """`on_gpu`: the attention and the loss as a GPU runs them (--attention_impl=auto picks a flash kernel there,
+    which keeps no scores; the loss's fp32 temporaries fuse), whatever this process's backend; otherwise as this
+    backend runs them."""
     if on_gpu and cfg.execution.attention_impl == "auto":
         cfg = cfg.replace(execution=dict(attention_impl="pallas"))
     s = state_bytes(cfg, num_devices)
     return Memory(s["params"], s["grads"], s["optimizer"], s["other"], activation_bytes(cfg, batching),
-                  transient_bytes(cfg, batching))
+                  transient_bytes(cfg, batching, on_gpu))

@@ -33,6 +33,7 @@ flags.DEFINE_float("gemm_efficiency", 0.6, "Achieved / peak TFLOP/s of the model
                    "benchmarks/benchmark.py: its 'of ceiling' column).")
 flags.DEFINE_float("intra_node_gbps", None, "GB/s per GPU within a node (default: --gpu's NVLink).")
 flags.DEFINE_float("inter_node_gbps", None, "GB/s per GPU across nodes (default: 50, one 400 Gb/s NIC).")
+flags.DEFINE_float("hbm_gbps", None, "GB/s of each GPU's memory (default: --gpu's datasheet figure).")
 flags.DEFINE_float("comm_overlap", 0.5, "Fraction of the overlappable traffic (data-parallel, pipeline, ring) "
                    "hidden behind compute.")
 flags.DEFINE_list("remat_policies", list(REMAT_POLICIES), "Recomputation policies to consider.")
@@ -50,7 +51,7 @@ def _machine(cfg):
         raise ConfigError("--num_gpus is required (the GPUs to plan for)")
     return machine_from(FLAGS.num_gpus, FLAGS.gpus_per_node, FLAGS.gpu, FLAGS.gpu_memory_gib,
                         cfg.logging.peak_tflops, gemm_efficiency=FLAGS.gemm_efficiency,
-                        intra_node_gbps=FLAGS.intra_node_gbps, inter_node_gbps=FLAGS.inter_node_gbps,
+                        intra_node_gbps=FLAGS.intra_node_gbps, inter_node_gbps=FLAGS.inter_node_gbps, hbm_gbps=FLAGS.hbm_gbps,
                         comm_overlap=FLAGS.comm_overlap)
 
 
@@ -76,7 +77,7 @@ def _validate(plan, machine, k: int) -> list[dict]:
                           f"{machine.num_gpus}; plan for {len(jax.devices())} devices or drop --validate")
     rows = []
     for p in plan.ranked[:k]:
-        predicted = memory(p.cfg, p.batching, machine.num_gpus).total  # attention as these devices run it
+        predicted = memory(p.cfg, p.batching, machine.num_gpus, on_gpu=jax.default_backend() == "gpu").total
         got = compiled_bytes(p.cfg)
         rows.append({"layout": p.name, "predicted_gib": predicted / GIB,
                      "compiled_gib": None if got is None else got["total"] / GIB})

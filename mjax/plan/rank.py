@@ -31,7 +31,7 @@ class Prediction:
     def row(self, machine) -> dict:
         return {"layout": self.name, "gib_per_device": self.memory.total / GIB,
                 "memory_gib": {k: v / GIB for k, v in dataclasses.asdict(self.memory).items()},
-                "step_time_s": self.time.total_s, "compute_s": self.time.compute_s, "bubble": self.time.bubble,
+                "step_time_s": self.time.total_s, "compute_s": self.time.compute_s, "memory_s": self.time.memory_s, "bubble": self.time.bubble,
                 "comm_s": self.time.comm_s, "tokens_per_s": self.tokens_per_s(), "mfu": self.mfu(machine),
                 "micro_batches": self.batching.micro_batches, "reject": self.reject}
 

@@ -42,3 +42,32 @@ def _swiglu_packed_bwd(y, dh):
 
 
 _swiglu_packed.defvjp(lambda y: (_swiglu_packed(y), y), _swiglu_packed_bwd)
+
+
+@jax.custom_vjp
+def weighted_swiglu(gate, up, weights):
+    """silu(gate) * up * weights[:, None] for rows [R, F] and per-row weights [R], computed in float32 (or the
+    weights' wider dtype) and returned in gate's dtype. The backward recomputes from the 16-bit gate and up: autodiff
+    would keep four float32 [R, F] intermediates of the expression for it."""
+    return _weighted_swiglu(gate, up, weights)[0]
+
+
+def _weighted_swiglu(gate, up, weights):
+    compute = jnp.promote_types(weights.dtype, jnp.float32)
+    h = jax.nn.silu(gate.astype(compute)) * up.astype(compute)
+    return (h * weights[:, None].astype(compute)).astype(gate.dtype), (gate, up, weights)
+
+
+def _weighted_swiglu_bwd(res, dy):
+    gate, up, weights = res
+    compute = jnp.promote_types(weights.dtype, jnp.float32)
+    g, u, w, dy = gate.astype(compute), up.astype(compute), weights.astype(compute), dy.astype(compute)
+    s = jax.nn.sigmoid(g)
+    silu = g * s
+    dh = dy * w[:, None]
+    d_gate = dh * u * s * (1 + g * (1 - s))
+    return (d_gate.astype(gate.dtype), (dh * silu).astype(up.dtype),
+            jnp.sum(dy * silu * u, axis=-1).astype(weights.dtype))
+
+
+weighted_swiglu.defvjp(_weighted_swiglu, _weighted_swiglu_bwd)
