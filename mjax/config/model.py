@@ -111,6 +111,12 @@ class ModelConfig:
                                         "probs | position: over capacity, drop the lowest-weight or the latest tokens.")
     moe_pad_expert_input_to_capacity: bool = field(False, "moe_pad_expert_input_to_capacity",
                                                     "With a capacity factor: every expert computes exactly capacity rows.")
+    # Multi-token prediction (DeepSeek-V3; Megatron's names): mjax/model/mtp.py.
+    mtp_num_layers: int | None = field(
+        None, "mtp_num_layers", "Multi-token prediction depths after the model: depth k predicts the token k + 1 "
+        "ahead with one more block of the model's last layer's kind; None or 0: off.")
+    mtp_loss_scaling_factor: float = field(0.1, "mtp_loss_scaling_factor",
+                                           "The objective adds this times the mean of the depths' MTP losses.")
 
     @property
     def num_kv_heads(self) -> int:
@@ -119,6 +125,15 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def mtp_depth(self) -> int:
+        """The multi-token prediction depths (0: off)."""
+        return self.mtp_num_layers or 0
+
+    def mtp_is_moe(self) -> bool:
+        """Whether the MTP blocks are MoE blocks: they take the kind of the model's last layer (as Megatron)."""
+        return self.moe_layer_pattern()[-1]
 
     def moe_layer_pattern(self) -> tuple[bool, ...]:
         """Per layer, whether it is an MoE layer: --moe_layer_freq (Megatron: an int N makes layers 0, N, 2N, ...

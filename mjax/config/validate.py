@@ -7,6 +7,7 @@ from mjax.config.model import MOE_REMAT_NAMES
 from mjax.config.base import ConfigError
 from mjax.config.pipeline_layout import stage_layout
 from mjax.config.validate_mla import validate_mla
+from mjax.config.validate_mtp import validate_mtp
 from mjax.config.sections import Config
 from mjax.kernels import options as kernels
 
@@ -37,6 +38,7 @@ def validate_model(cfg: Config) -> None:
     choice(m.position_embedding_type, ("rope", "learned"), "model.position_embedding_type")
     choice(m.rope_scaling, ("none", "llama3", "yarn"), "model.rope_scaling")
     validate_mla(m)
+    validate_mtp(cfg)
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"--model.hidden_size={m.hidden_size} is not divisible by --model.num_attention_heads="

@@ -17,6 +17,7 @@ from mjax.model.layers import Embed, Linear, make_norm, without_quant
 from mjax.model.mla import MLAttention
 from mjax.model.mlp import MLP
 from mjax.model.moe import MoE
+from mjax.model.mtp import MultiTokenPrediction
 from mjax.sharding import constrain, param
 
 RESIDUAL = ("batch", "residual_seq", "act_embed")
@@ -114,6 +115,10 @@ class CausalLM(nnx.Module):
             self.lm_head = Linear((d,), (self.vocab,), in_axes=("embed",), out_axes=("vocab",),
                                   std=cfg.init_method_std, dtype=dtype, param_dtype=param_dtype, quant=head_quant,
                                   rngs=rngs)
+        if cfg.mtp_depth:  # made last, so the model's other params are the same with or without it
+            self.mtp = MultiTokenPrediction(cfg, Block, moe=cfg.mtp_is_moe(), dtype=dtype, param_dtype=param_dtype,
+                                            quant=quant, execution=execution, dispatcher=dispatcher,
+                                            core_attention=core_attention, rngs=rngs)
 
     def embed_tokens(self, tokens, positions):
         """Token (and learned position) embeddings [B, T, D] in compute dtype, laid out as the residual stream."""
@@ -192,6 +197,13 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens(tokens, positions)
         x, stats, cache = self.run_layers(x, positions, segment_ids, moe_keys, cache)
         return self.final_norm(x), stats, cache
+
+    def mtp_hidden_states(self, h, mtp_inputs, mtp_positions, positions, segment_ids=None, moe_keys=None):
+        """Multi-token prediction (mjax/model/mtp.py) after `forward`: h [B, T, D] its final-norm output, mtp_inputs
+        and mtp_positions [D, B, T] the tokens k ahead (and their positions) for depths k = 1..D, positions [B, T] the
+        model's -> (each depth's output [D, B, T, D] for the output layer, MoE stats stacked [D, ...] or None)."""
+        embeddings = jnp.stack([self.embed_tokens(ids, pos) for ids, pos in zip(mtp_inputs, mtp_positions)])
+        return self.mtp(h, embeddings, positions, segment_ids, self.runner, moe_keys)
 
     def hidden_states(self, tokens, positions=None, segment_ids=None):
         """The final-norm output [B, T, D] in compute dtype."""

@@ -6,6 +6,7 @@ setup, which keeps other processes to warnings and errors), so N processes do no
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,12 @@ CONSOLE_FIELDS = (("loss", "{:.4f}"), ("grad_norm", "{:.3f}"), ("lr", "{:.3e}"),
                   ("peak_memory_bytes", "{}"), ("moe_aux_loss", "{:.4g}"), ("moe_z_loss", "{:.4g}"),
                   ("moe_load_max", "{:.2f}"), ("moe_load_min", "{:.2f}"), ("moe_dropped_fraction", "{:.2%}"),
                   ("attention_imbalance", "{:.3f}"))
+
+
+def _depth(key: str) -> int:
+    """k for a multi-token prediction loss "mtp_k_loss", else 0."""
+    match = re.fullmatch(r"mtp_(\d+)_loss", key)
+    return int(match.group(1)) if match else 0
 
 
 def _format(key: str, fmt: str, value) -> str:
@@ -102,6 +109,8 @@ class MetricsLogger:
             value = record.get(key)
             if value is not None:
                 parts.append(_format(key, fmt, value))
+            if key == "loss":  # the multi-token prediction depths' losses (mtp_1_loss, ...) follow the model's
+                parts += [f"{k} {record[k]:.4f}" for k in sorted(record, key=_depth) if _depth(k)]
         if record.get("skipped_steps"):
             parts.append(f"skipped {record['skipped_steps']}")
         log.info(" | ".join(parts))

@@ -269,7 +269,7 @@ def _record(step, metrics, state, step_time, cfg, flops, peak, num_devices, comp
         "skipped_steps": int(state.skipped_steps),
         "compile_s": compile_s,
         **({"pipeline_bubble": float(metrics["pipeline_bubble"])} if "pipeline_bubble" in metrics else {}),
-        **{k: float(v) for k, v in metrics.items() if k.startswith("moe_")},
+        **{k: float(v) for k, v in metrics.items() if k.startswith(("moe_", "mtp_"))},
         **_fp8_record(metrics, cfg),
     }
 

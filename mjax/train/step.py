@@ -8,7 +8,7 @@ import optax
 from mjax.kernels import cross_entropy
 from mjax.model import moe_terms
 from mjax.parallel import pipeline
-from mjax.train import fp8_state
+from mjax.train import fp8_state, mtp
 from mjax.train.state import TrainState
 
 
@@ -44,17 +44,27 @@ def make_train_step(model, cfg, tx, schedule):
     def micro_sums(module, h, micro):  # (loss sum, z sum); also what each pipeline stage's head computes
         return head_sums(module, h, micro, cfg.model, cfg.execution, z_coeff)
 
-    num_moe = cfg.model.moe_layer_pattern().count(True)
+    depth = cfg.model.mtp_depth
+    main_moe = cfg.model.moe_layer_pattern().count(True)
+    num_moe = main_moe + (depth if depth and cfg.model.mtp_is_moe() else 0)  # the MTP blocks' MoE layers last
 
-    def micro_loss(params, fp8_scales, micro, denom, scale, moe_carry):
+    def micro_loss(params, fp8_scales, micro, denom, scale, moe_carry, mtp_denoms):
         counts, m, keys, num_micro = moe_carry
-        module, h, stats = hidden_states(model, params, micro, use_segments, fp8_scales, keys)
+        main_keys, mtp_keys = (None, None) if keys is None else (keys[:main_moe], keys[main_moe:])
+        module, h, stats = hidden_states(model, params, micro, use_segments, fp8_scales, main_keys)
         total, z = micro_sums(module, h, micro)
         objective = total * scale / denom
         sums = {}
+        if depth:  # multi-token prediction (train/mtp.py); its MoE blocks' stats join the model's
+            depth_sums, mtp_stats = mtp.loss_sums(module, h, micro, cfg, use_segments, mtp_keys)
+            objective = objective + scale * mtp.objective(depth_sums, mtp_denoms, cfg.model)
+            sums["mtp_loss_sums"] = jax.lax.stop_gradient(depth_sums)
+            if mtp_stats is not None:
+                stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats) if stats else mtp_stats
         if stats:  # the MoE layers' load-balancing and router z-loss terms (model/moe_terms.py)
-            terms, counts, sums = moe_terms.objective(stats, cfg.model, counts, m)
+            terms, counts, moe_sums = moe_terms.objective(stats, cfg.model, counts, m)
             objective = objective + scale * terms / num_micro
+            sums.update(moe_sums)
         return objective, (total, z, counts, sums)
 
     @jax.named_scope("optimizer")
@@ -66,20 +76,24 @@ def make_train_step(model, cfg, tx, schedule):
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         if num_moe:
-            new_params = moe_terms.update_expert_bias(new_params, moe_sums["kept_tokens_per_expert"], cfg.model)
+            kept = moe_sums["kept_tokens_per_expert"]  # [MoE layers, E]: the model's, then the MTP blocks'
+            new_params = moe_terms.update_expert_bias(new_params, kept[:main_moe], cfg.model)
+            new_params = mtp.update_expert_bias(new_params, kept[main_moe:], cfg.model)
         return new_params, new_opt
 
-    def moe_zeros():  # the MoE carry of the accumulation: running top-k counts, the step's router sums
+    def moe_zeros():  # the MoE carry of the accumulation: running top-k counts, the step's router (and MTP) sums
+        sums = {"mtp_loss_sums": jnp.zeros((depth,))} if depth else {}
         if not num_moe:
-            return jnp.zeros(()), {}
+            return jnp.zeros(()), sums
         e = cfg.model.num_experts
-        sums = {"moe_aux_loss": jnp.zeros(()), "moe_z_loss": jnp.zeros(()), "dropped_assignments": jnp.zeros(()),
-                "tokens_per_expert": jnp.zeros((num_moe, e)), "kept_tokens_per_expert": jnp.zeros((num_moe, e))}
+        sums.update({"moe_aux_loss": jnp.zeros(()), "moe_z_loss": jnp.zeros(()), "dropped_assignments": jnp.zeros(()),
+                     "tokens_per_expert": jnp.zeros((num_moe, e)), "kept_tokens_per_expert": jnp.zeros((num_moe, e))})
         return moe_terms.zero_counts((num_moe, e)), sums
 
     def step(state: TrainState, batch):
         num_micro = batch["inputs"].shape[0]
         denom = jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+        mtp_denoms = mtp.denominators(batch, depth, cfg.parallel.cp, use_segments) if depth else None
         scale = state.loss_scale.scale if fp16 else jnp.ones((), jnp.float32)
         # The FP8 scales' "gradients" are the amaxes each layer observed (kernels/quant/fp8.py): max over micro-batches.
         fp8_scales = state.fp8.scales if state.fp8 is not None else {}
@@ -91,7 +105,7 @@ def make_train_step(model, cfg, tx, schedule):
             keys = (moe_terms.router_keys(state.rng, state.step, m, num_moe)
                     if cfg.model.moe_router_force_load_balancing else None)
             (g, a), (l, z, counts, sums) = grad_fn(state.params, fp8_scales, micro, denom, scale,
-                                                   (counts, m, keys, num_micro))
+                                                   (counts, m, keys, num_micro), mtp_denoms)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.maximum, amaxes, a), loss_sum + l,
                     z_sum + z, counts, jax.tree.map(jnp.add, moe_sums, sums)), None
 
@@ -112,6 +126,7 @@ def make_train_step(model, cfg, tx, schedule):
         loss = loss_sum / denom
         grad_norm = optax.tree.norm(grads)
         moe_metrics = moe_terms.metrics(moe_sums, num_micro) if num_moe else {}
+        mtp_metrics = mtp.metrics(moe_sums["mtp_loss_sums"], mtp_denoms) if depth else {}
         loss_finite = jnp.isfinite(loss)
         finite = loss_finite & jnp.isfinite(grad_norm)
 
@@ -137,7 +152,8 @@ def make_train_step(model, cfg, tx, schedule):
             fp8=new_fp8)
         metrics = {"loss": loss, "grad_norm": grad_norm, "z_loss": z_sum / denom, "num_tokens": denom,
                    "loss_scale": state.loss_scale.scale, "update_applied": apply,
-                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats, **pipeline_metrics, **moe_metrics}
+                   "lr": schedule(state.step - state.skipped_steps), **fp8_stats, **pipeline_metrics, **moe_metrics,
+                   **mtp_metrics}
         return new_state, metrics
 
     return step

@@ -1,0 +1,22 @@
+"""Checks of --mtp_num_layers and --mtp_loss_scaling_factor (multi-token prediction: mjax/model/mtp.py)."""
+
+from mjax.config.base import ConfigError
+
+
+def validate_mtp(cfg) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.mtp_num_layers is not None and m.mtp_num_layers < 0:
+        raise ConfigError(f"--mtp_num_layers={m.mtp_num_layers} must be >= 0 (0 or unset: no multi-token prediction)")
+    if m.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} must be >= 0")
+    depth = m.mtp_depth
+    if not depth:
+        return
+    if p.pp > 1:
+        raise ConfigError(f"--mtp_num_layers={depth} with --pp={p.pp}: the multi-token prediction layers run after the "
+                          "last layer, and mjax's pipeline stages do not run them; use --pp=1 or unset "
+                          "--mtp_num_layers")
+    seq = cfg.train.seq_length
+    if seq <= depth:
+        raise ConfigError(f"--mtp_num_layers={depth} needs --seq_length > {depth}: depth k predicts the token k + 1 "
+                          f"positions ahead, and --seq_length={seq} leaves the last depth no position to predict")
