@@ -13,6 +13,11 @@ jax.vmap (x [B, M, K], group_sizes [B, G], w shared or batched).
 is the same product with per-tensor FP8 (--fp8_recipe=delayed | tensorwise; fp8.py): meta [G, 3] f32 per weight,
 whose cotangent is the amaxes observed; several weights may share one quantization of x (the MoE gate and up).
 
+    ys = blockwise_grouped_matmul(x, (w, ...), group_sizes, (meta, ...), fp8_format, *, impl="auto", tiling=None)
+
+is the same product with blockwise FP8 (--fp8_recipe=blockwise; fp8_blockwise.py): 1x128 activation blocks, 128x128
+weight blocks, K and N multiples of 128; meta is not read, its cotangent reports the amaxes as above.
+
 impl (the flag --moe_grouped_gemm_impl):
     xla     jax.lax.ragged_dot (reference.py); gradients by autodiff. Dense expansion on the GPU image.
     pallas  the Triton kernels (pallas.py): forward, dgrad and wgrad; interpreted off GPU.
@@ -27,11 +32,12 @@ import jax
 import jax.numpy as jnp
 
 from mjax.kernels.grouped_matmul.reference import grouped_matmul_reference
-from mjax.kernels.grouped_matmul.tiling import (DTYPES, KernelTile, Tiling, default_fp8_tiling, default_tiling,
+from mjax.kernels.grouped_matmul.tiling import (DTYPES, KernelTile, Tiling, blockwise_tiling_problem,
+                                                default_blockwise_tiling, default_fp8_tiling, default_tiling,
                                                 fp8_tiling_problem, tiling_problem)
 
-__all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "choose_impl", "fp8_grouped_matmul",
-           "grouped_matmul", "resolve_tiling", "why_unsupported"]
+__all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "blockwise_grouped_matmul", "choose_impl",
+           "fp8_grouped_matmul", "grouped_matmul", "resolve_tiling", "why_unsupported"]
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +63,12 @@ def resolve_tiling(tiling: Tiling | None, dtype, k: int, n: int, fp8_grad=None) 
 
 
 def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
-                    m: int | None = None, groups: int | None = None, fp8_grad=None) -> str | None:
+                    m: int | None = None, groups: int | None = None, fp8_grad=None,
+                    blockwise: bool = False) -> str | None:
     """The capability table: None if `impl` can do x [M, K] . w [G, K, N] in `dtype`, else the reason in words.
     Pure in its arguments (no device is consulted); M and G, when given, are checked too. fp8_grad (an FP8 dtype):
-    the FP8 kernels, with `dtype` the compute dtype x and the results have and the gradient quantized to fp8_grad."""
+    the FP8 kernels, with `dtype` the compute dtype x and the results have and the gradient quantized to fp8_grad.
+    blockwise: the blockwise FP8 kernels (fp8_blockwise_pallas.py; `tiling` None: their defaults)."""
     if impl == "xla":
         return None
     if impl == "pallas":
@@ -73,6 +81,12 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
             return (f"pallas addresses its operands with 32-bit offsets, and x [{m}, {k}] . w [{groups}, {k}, {n}] "
                     f"has an operand of {largest} elements (more than {MAX_ELEMENTS}); split the tokens or the "
                     "experts over devices (--ep)")
+        if blockwise:
+            chosen = tiling or default_blockwise_tiling(k, n)
+            if chosen is None:
+                return (f"the blockwise FP8 kernels step through K and N in 128-wide blocks; K={k}, N={n} are not "
+                        "multiples of 128")
+            return blockwise_tiling_problem(chosen, k, n)
         chosen = resolve_tiling(tiling, dtype, k, n, fp8_grad)
         if fp8_grad is not None:
             if chosen is None:
@@ -86,12 +100,13 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
 
 
 def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
-                m: int | None = None, groups: int | None = None, fp8_grad=None) -> str:
+                m: int | None = None, groups: int | None = None, fp8_grad=None, blockwise: bool = False) -> str:
     """The implementation `impl` resolves to on `backend`: auto is pallas on a GPU (raising when the kernels cannot
     take the call) and xla elsewhere; an explicit choice is checked, never replaced."""
     if impl not in IMPLS:
         raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
-    facts = dict(backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups, fp8_grad=fp8_grad)
+    facts = dict(backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups, fp8_grad=fp8_grad,
+                 blockwise=blockwise)
     if impl == "auto":
         if backend != "gpu":
             return "xla"
@@ -165,6 +180,45 @@ def fp8_grouped_matmul(x, w, group_sizes, meta, spec, *, impl: str = "auto", til
                     for wi in ws)
     plan = GroupedFp8Plan(spec, chosen, tilings, interpret=chosen == "pallas" and backend != "gpu")
     ys = grouped_fp8(x, ws, group_sizes.astype(jnp.int32), tuple(jnp.asarray(mi, jnp.float32) for mi in metas), plan)
+    return ys if many else ys[0]
+
+
+def blockwise_grouped_matmul(x, w, group_sizes, meta, fp8_format: str = "hybrid", *, impl: str = "auto",
+                             tiling: Tiling | None = None):
+    """The grouped matmul in blockwise FP8 (fp8_blockwise.py): x [M, K] in the compute dtype, w one [G, K, N] (the
+    master weights) or a tuple of them reading the same x, meta [G, 3] f32 (a tuple with w's; only its cotangent is
+    used), fp8_format --fp8_format -> y [M, N] in x.dtype (a tuple with w's). K and N must be multiples of 128
+    (mjax.kernels.quant.blockwise.BlockwiseUnsupported otherwise, naming --fp8_recipe=blockwise); raises
+    GroupedMatmulUnsupported (naming --moe_grouped_gemm_impl) when `impl` cannot do the call."""
+    from mjax.kernels.grouped_matmul.fp8_blockwise import GroupedBlockwisePlan, grouped_blockwise  # noqa: PLC0415
+    from mjax.kernels.quant.blockwise import BlockwiseUnsupported  # noqa: PLC0415
+    from mjax.kernels.quant.fp8 import FORMATS  # noqa: PLC0415
+
+    if fp8_format not in FORMATS:
+        raise ValueError(f"--fp8_format={fp8_format!r} is not one of {', '.join(FORMATS)}")
+    many = isinstance(w, (tuple, list))
+    ws, metas = (tuple(w), tuple(meta)) if many else ((w,), (meta,))
+    if len(ws) != len(metas) or not ws:
+        raise ValueError(f"blockwise_grouped_matmul: one meta per weight, got {len(ws)} weights and {len(metas)} "
+                         "metas")
+    (m, k), backend = x.shape, jax.default_backend()
+    for wi, mi in zip(ws, metas):
+        _check_operands(x, wi, group_sizes, same_dtype=False)  # w: the master weights, quantized here
+        if mi.shape != (wi.shape[0], 3):
+            raise ValueError(f"blockwise_grouped_matmul: meta must be [G, 3] = [{wi.shape[0]}, 3] for w{wi.shape}, "
+                             f"got {mi.shape}")
+        if k % 128 or wi.shape[2] % 128:
+            raise BlockwiseUnsupported(
+                f"--fp8_recipe=blockwise needs the expert GEMMs' sizes to be multiples of 128 (x [{m}, {k}] . "
+                f"w{tuple(wi.shape)}); change --hidden_size / --moe_ffn_hidden_size or use --fp8_recipe=tensorwise")
+    chosen = {choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
+                          groups=wi.shape[0], blockwise=True) for wi in ws}.pop()
+    for wi in ws:
+        _log_choice(impl, chosen, (m, k), tuple(wi.shape), f"{x.dtype} fp8 blockwise {fp8_format}")
+    tilings = tuple((tiling or default_blockwise_tiling(k, wi.shape[2])) if chosen == "pallas" else None for wi in ws)
+    plan = GroupedBlockwisePlan(fp8_format, chosen, tilings, interpret=chosen == "pallas" and backend != "gpu")
+    ys = grouped_blockwise(x, ws, group_sizes.astype(jnp.int32), tuple(jnp.asarray(mi, jnp.float32) for mi in metas),
+                           plan)
     return ys if many else ys[0]
 
 

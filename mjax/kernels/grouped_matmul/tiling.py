@@ -164,3 +164,26 @@ def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
         if reason:
             return reason
     return None
+
+
+BLOCKWISE_DEPTH = 128  # --fp8_recipe=blockwise: one 1x128 / 128x128 block scale per depth step
+
+
+def default_blockwise_tiling(k: int, n: int) -> Tiling | None:
+    """Tiles of the blockwise FP8 kernels (fp8_blockwise_pallas.py), None unless K and N are multiples of 128:
+    128x128 output tiles stepping 128 deep (one scale per step), 8 warps, 3 stages, as the dense blockwise GEMM
+    (mjax/kernels/quant/block_gemm.py). Untuned: `python -m benchmarks.bench_grouped_matmul --fp8_blockwise
+    --tilings=...` sweeps them on the GPU."""
+    if k % BLOCKWISE_DEPTH or n % BLOCKWISE_DEPTH:
+        return None
+    return Tiling.uniform(KernelTile(128, 128, BLOCKWISE_DEPTH, num_warps=8, num_stages=3))
+
+
+def blockwise_tiling_problem(tiling: Tiling, k: int, n: int) -> str | None:
+    """None if every blockwise FP8 kernel of `tiling` can run x [M, K] . w [G, K, N], else the reason."""
+    for kernel in ("forward", "dgrad", "wgrad"):
+        tile = getattr(tiling, kernel)
+        if tile.block_k != BLOCKWISE_DEPTH:
+            return (f"the blockwise FP8 {kernel} tile {tile} steps {tile.block_k} deep; it must step "
+                    f"{BLOCKWISE_DEPTH} (one block scale per step)")
+    return tiling_problem(tiling, jnp.float8_e4m3fn, k, n)
