@@ -69,7 +69,8 @@ def parse_layout(text: str) -> list[list[str]]:
     expanded = _REPEAT_ONE.sub(lambda g: g.group(1) * int(g.group(2)), expanded)
     bad = sorted(set(expanded) - set("EtL|"))
     if bad:
-        mtp = " (m, a multi-token-prediction layer: mjax has none)" if "m" in bad else ""
+        mtp = (" (m, a multi-token-prediction layer: mjax runs --mtp_num_layers with --pp=1 only, never in a "
+               "pipeline stage)" if "m" in bad else "")
         grouping = " (a group needs its repeat count: \"(tt|)*3\")" if {"(", ")", "*"} & set(bad) else ""
         raise ConfigError(f"--{LAYOUT}={text!r}: cannot read {''.join(bad)!r}{mtp}{grouping}; use E (embedding), "
                           "t (transformer layer), L (loss), | (stage boundary), (...)*n and x*n (repeats)")
