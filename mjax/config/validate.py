@@ -158,10 +158,11 @@ def validate_moe(cfg: Config) -> None:
     pr = cfg.precision
     if pr.fp4_recipe in kernels.FP4_RECIPES:
         raise ConfigError(f"--fp4_recipe={pr.fp4_recipe} with MoE layers is not supported: the expert GEMMs run in "
-                          "FP8 with --fp8_recipe=delayed|tensorwise, or in the compute dtype; drop --fp4_recipe")
-    if pr.fp8_recipe in kernels.FP8_RECIPES and pr.fp8_recipe not in kernels.PER_TENSOR_FP8_RECIPES:
-        raise ConfigError(f"--fp8_recipe={pr.fp8_recipe} with MoE layers is not supported: the expert GEMMs take "
-                          "per-tensor scales; use --fp8_recipe=delayed or --fp8_recipe=tensorwise")
+                          "FP8 with --fp8_recipe=delayed|tensorwise|blockwise, or in the compute dtype; drop "
+                          "--fp4_recipe")
+    if pr.fp8_recipe == "blockwise":  # the experts' GEMM sizes (--ffn_hidden_size, their default, is checked anyway)
+        check_blockwise_dims({f"--{name}": getattr(m, name) for name in
+                              ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size") if getattr(m, name)})
     if p.pp > 1:
         stages = stage_layout(p, m.num_layers)
         if any(pattern[stages.first_layer(v) + j] != pattern[j] for v, n in enumerate(stages.counts)

@@ -13,8 +13,9 @@ Parameters (names are what checkpoints and conversion tables use; logical axes i
     shared_expert_gate/kernel     [D, 1]     ("embed", None)            with --moe_shared_expert_gate:
                                   y_shared * sigmoid(x @ gate) (Qwen2-MoE)
 F = --moe_ffn_hidden_size (default --ffn_hidden_size). Experts are SwiGLU (--activation=swiglu) or GELU.
-With --fp8_recipe=delayed|tensorwise each expert projection also holds experts/*/fp8_meta [E, 3]: per expert the
-(input, weight, output-gradient) scales, an Fp8Meta as a Linear's [3] (not a parameter; mjax/train/fp8_state.py).
+With --fp8_recipe=delayed|tensorwise|blockwise each expert projection also holds experts/*/fp8_meta [E, 3]: per
+expert the (input, weight, output-gradient) scales, an Fp8Meta as a Linear's [3] (not a parameter;
+mjax/train/fp8_state.py; blockwise reads no scale from it and only reports amaxes through it, as a blockwise Linear).
 
 Forward: the router logits x @ router/kernel in --moe_router_dtype (full-precision matmul), router.route picks the
 top-k, then per dispatch group (one per shard of the logical `batch` axis, so under data parallelism the sort stays
@@ -24,8 +25,10 @@ Megatron applies it), the down projection is a second grouped GEMM, and each tok
 go through mjax.kernels.grouped_matmul with impl = --moe_grouped_gemm_impl (the execution config's, default
 auto); under a per-tensor FP8 policy through its fp8_grouped_matmul (gate and up share one quantization of the
 dispatched rows; x and the gradients have one scale per tensor over all dispatch groups, the weights one per
-expert; kernels/grouped_matmul/fp8.py). The router stays in full precision (as Megatron keeps it out of FP8), the
-shared experts are an MLP and quantize as any MLP, the shared-expert gate stays unquantized. Dropless
+expert; kernels/grouped_matmul/fp8.py), under --fp8_recipe=blockwise through its blockwise_grouped_matmul (1x128
+activation and 128x128 weight blocks, DeepSeek-V3's; kernels/grouped_matmul/fp8_blockwise.py). The router stays
+in full precision (as Megatron keeps it out of FP8), the shared experts are an MLP and quantize as any MLP, the
+shared-expert gate stays unquantized. Dropless
 results do not depend on the number of dispatch groups; with --moe_expert_capacity_factor the capacity (and so what
 is dropped) is per dispatch group, as Megatron's is per rank. Shared experts (and their gate) are added last.
 
@@ -60,9 +63,10 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.grouped_matmul import fp8_grouped_matmul, grouped_matmul
-from mjax.kernels.options import PER_TENSOR_FP8_RECIPES
+from mjax.kernels.grouped_matmul import blockwise_grouped_matmul, fp8_grouped_matmul, grouped_matmul
+from mjax.kernels.options import FP8_RECIPES
 from mjax.kernels.quant import per_tensor_spec
+from mjax.kernels.swiglu import weighted_swiglu
 from mjax.model import router as moe_router
 from mjax.model.layers import Fp8Meta, Linear, output_std
 from mjax.model.mlp import MLP
@@ -132,35 +136,38 @@ class Experts(nnx.Module):
 
 def _products(x, ws, metas, group_sizes, *, impl: str, quant):
     """x [R, D_in] times each of the expert weights ws [E, D_in, F_i] -> one [R, F_i] per weight: grouped GEMMs in
-    the compute dtype, or in per-tensor FP8 with one quantization of x for all of them."""
+    the compute dtype, or in per-tensor or blockwise FP8 with one quantization of x for all of them."""
     if quant is None:
         return tuple(grouped_matmul(x, w, group_sizes, impl=impl) for w in ws)
+    if quant.fp8_recipe == "blockwise":
+        return blockwise_grouped_matmul(x, tuple(ws), group_sizes, tuple(metas), quant.fp8_format, impl=impl)
     return fp8_grouped_matmul(x, tuple(ws), group_sizes, tuple(metas), per_tensor_spec(quant), impl=impl)
 
 
 def expert_rows(xs, weights, group_sizes, kernels, *, impl: str, quant=None, metas=None):
     """The experts on dispatched rows xs [R, D] with routing weights [R] -> [R, D]: grouped GEMMs, SwiGLU (or GELU)
-    times the weight, grouped GEMM. `quant` (a per-tensor FP8 QuantPolicy) with `metas` (Experts.metas()) puts
-    the GEMMs in FP8."""
+    times the weight, grouped GEMM. `quant` (an FP8 QuantPolicy: per-tensor or blockwise) with `metas`
+    (Experts.metas()) puts the GEMMs in FP8."""
     gate, up, down = kernels
     gate_meta, up_meta, down_meta = metas if metas is not None else (None, None, None)
     run = functools.partial(_products, group_sizes=group_sizes, impl=impl, quant=quant)
     if gate is not None:
         g, u = (checkpoint_name(t, "moe_up") for t in run(xs, (gate, up), (gate_meta, up_meta)))  # [R, D] -> [R, F]
-        h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+        h = weighted_swiglu(g, u, weights).astype(xs.dtype)
     else:
         (u,) = run(xs, (up,), (up_meta,))
         h = jax.nn.gelu(checkpoint_name(u, "moe_up"), approximate=True)  # [R, D] -> [R, F]
-    compute = jnp.promote_types(weights.dtype, jnp.float32)
-    h = checkpoint_name((h.astype(compute) * weights[:, None].astype(compute)).astype(xs.dtype), "moe_hidden")
+        compute = jnp.promote_types(weights.dtype, jnp.float32)
+        h = (h.astype(compute) * weights[:, None].astype(compute)).astype(xs.dtype)
+    h = checkpoint_name(h, "moe_hidden")
     (y,) = run(h, (down,), (down_meta,))
     return checkpoint_name(y, "moe_down")  # [R, F] -> [R, D]
 
 
 def _check(cfg, quant):
     fp8, fp4 = getattr(quant, "fp8_recipe", None), getattr(quant, "fp4_recipe", None)
-    if quant is not None and (fp8 not in PER_TENSOR_FP8_RECIPES or fp4 is not None):
-        raise ValueError(f"MoE expert GEMMs take per-tensor FP8 (--fp8_recipe=delayed|tensorwise), not "
+    if quant is not None and (fp8 not in FP8_RECIPES or fp4 is not None):
+        raise ValueError(f"MoE expert GEMMs take FP8 (--fp8_recipe=delayed|tensorwise|blockwise), not "
                          f"--fp8_recipe={fp8} --fp4_recipe={fp4}; change the recipe or build the MoE layers with "
                          "quant=None (kept in the compute dtype)")
     e, k = cfg.num_experts, cfg.moe_router_topk
