@@ -19,6 +19,15 @@ mjax.kernels.quant.fp8.fp8_matmul); --tilings then sweeps the FP8 kernels and --
 float32 dequantize + ragged_dot reference of the same quantization:
 
     python -m benchmarks.bench_grouped_matmul --fp8 --noragged_dot --check --json_out=gmm_fp8.json
+
+--fp8_blockwise adds blockwise FP8 (--fp8_recipe=blockwise; 1x128 activation and 128x128 weight block scales in the
+K loop, --fp8_format for the gradients' format): the op as training calls it ("pallas fp8 blockwise"), its kernels
+alone on operands quantized beforehand ("blockwise kernels") and the dense blockwise GEMM of the linear layers
+("dense fp8 blockwise"); --check then also compares the op with its float32 dequantize + ragged_dot reference, and
+--tilings (without --fp8) sweeps its kernels. With --fp8 too, one table holds bf16, per-tensor and blockwise:
+
+    python -m benchmarks.bench_grouped_matmul --fp8 --fp8_blockwise --fp8_format=e4m3 --noragged_dot --check \
+        --json_out=gmm_fp8_blockwise.json
 """
 
 import functools
@@ -37,12 +46,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import fp8_blockwise_grouped_cases as bw_cases  # noqa: E402
 from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling)
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
-from mjax.kernels.grouped_matmul.tiling import kernel_tile_problem  # noqa: E402
+from mjax.kernels.grouped_matmul.tiling import default_blockwise_tiling, kernel_tile_problem  # noqa: E402
 from benchmarks.harness import time_fn  # noqa: E402
 
 SHAPES = "8x4096x768x2048,16x2048x768x2048,128x512x768x2048,8x4096x14336x4096"
@@ -62,6 +72,9 @@ flags.DEFINE_bool("fp8", False, "Add the per-tensor FP8 grouped matmul, its kern
                   "--tilings and --check then take the FP8 kernels.")
 flags.DEFINE_enum("fp8_recipe", "tensorwise", ["tensorwise", "delayed"], "With --fp8: the scaling recipe.")
 flags.DEFINE_enum("fp8_format", "hybrid", ["hybrid", "e4m3"], "With --fp8: hybrid (e5m2 gradients) or e4m3.")
+flags.DEFINE_bool("fp8_blockwise", False, "Add the blockwise FP8 grouped matmul (1x128 / 128x128 block scales), its "
+                  "kernels alone and the dense blockwise GEMM; --check also takes it, --tilings without --fp8 sweeps "
+                  "its kernels.")
 flags.DEFINE_enum("fp8_mma", "auto", ["auto", "f16"], "With --fp8, the kernels-alone rows and the sweep: auto "
                   "(FP8 tiles into the dot where the formats match) or f16 (tiles converted to float16 always).")
 FLAGS = flags.FLAGS
@@ -150,6 +163,9 @@ def main_rows(shape, dists, dense):
     if FLAGS.fp8:
         spec = fp8_spec()
         impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, spec), spec)))
+    blockwise = FLAGS.fp8_blockwise and blockwise_runs(shape)
+    if blockwise:
+        impls.append(("pallas fp8 blockwise", bw_cases.training_call(FLAGS.fp8_format)))
     rows = []
     for name, fn in impls:  # one compile per implementation: the group sizes are run-time values
         fwd, both = fwd_and_bwd(fn)
@@ -167,7 +183,17 @@ def main_rows(shape, dists, dense):
                     row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
             rows.append(row)
             print_row(row)
-    return rows + (fp8_kernel_rows(shape, dists, dense) if FLAGS.fp8 else [])
+    rows += fp8_kernel_rows(shape, dists, dense) if FLAGS.fp8 else []
+    return rows + (blockwise_kernel_rows(shape, dists, dense) if blockwise else [])
+
+
+@functools.cache
+def blockwise_runs(shape) -> bool:
+    """Whether the blockwise cases can take this shape (K and N multiples of 128); prints why not, once."""
+    problem = bw_cases.shape_problem(shape[3], shape[2])
+    if problem:
+        print(f"{'x'.join(map(str, shape)):22} blockwise rows skipped: {problem}", flush=True)
+    return problem is None
 
 
 def fp8_kernel_rows(shape, dists, dense):
@@ -178,6 +204,23 @@ def fp8_kernel_rows(shape, dists, dense):
     q = fp8_cases.operands(x, w, dy, fp8_spec())
     tiling = resolve_tiling(None, dtype, k, n, fp8_spec().dtypes[1])
     calls = lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)  # noqa: E731
+    return kernel_rows(shape, dists, dense, f"fp8 kernels mma={FLAGS.fp8_mma}", q, calls)
+
+
+def blockwise_kernel_rows(shape, dists, dense):
+    """The blockwise FP8 kernels alone on operands quantized beforehand."""
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    q = bw_cases.operands(x, w, dy, FLAGS.fp8_format)
+    tiling = default_blockwise_tiling(k, n)
+    calls = lambda q, gs: bw_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)  # noqa: E731
+    return kernel_rows(shape, dists, dense, f"blockwise kernels mma={FLAGS.fp8_mma}", q, calls)
+
+
+def kernel_rows(shape, dists, dense, name, q, calls):
+    """Rows of kernels alone, calls(q, gs) -> {kernel: thunk}: the forward, and forward + dgrad + wgrad."""
+    g, r, n, k = shape
     fwd = jax.jit(lambda q, gs: calls(q, gs)["forward"]())
     both = jax.jit(lambda q, gs: tuple(call() for call in calls(q, gs).values()))
     rows = []
@@ -186,8 +229,7 @@ def fp8_kernel_rows(shape, dists, dense):
         gs = jnp.asarray(sizes)
         flop = 2 * int(sizes.sum()) * k * n
         (t_fwd, err_fwd), (t_both, err_both) = time_or_error(fwd, q, gs), time_or_error(both, q, gs)
-        row = {"shape": list(shape), "dist": dist, "impl": f"fp8 kernels mma={FLAGS.fp8_mma}",
-               "error": err_fwd or err_both}
+        row = {"shape": list(shape), "dist": dist, "impl": name, "error": err_fwd or err_both}
         for mode, t, mult in (("fwd", t_fwd, 1), ("fwd_bwd", t_both, 3)):
             if t is not None:
                 row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t)})
@@ -215,6 +257,24 @@ def dense_fp8_row(shape, dense):
            "fwd_bwd_tflops": tflops(3 * flop, t_both)}
     for mode in ("fwd", "fwd_bwd"):
         row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
+    print_row(row)
+    return row
+
+
+def dense_blockwise_row(shape, dense):
+    """The dense blockwise FP8 GEMM of equal FLOPs (the linear layers' block_gemm; Pallas): forward on operands
+    quantized once, forward + backward through blockwise_matmul (its quantizations and three GEMMs)."""
+    g, r, n, k = shape
+    dtype = jnp.dtype(FLAGS.dtype)
+    x, w, dy = operands(g, r, n, k, dtype)
+    (fwd, fwd_args), (both, both_args) = bw_cases.dense_calls(x, w[0], dy, FLAGS.fp8_format)
+    flop = 2 * g * r * k * n
+    (t_fwd, err_fwd), (t_both, err_both) = time_or_error(fwd, *fwd_args), time_or_error(both, *both_args)
+    row = {"shape": list(shape), "dist": "-", "impl": "dense fp8 blockwise", "error": err_fwd or err_both}
+    for mode, t, mult in (("fwd", t_fwd, 1), ("fwd_bwd", t_both, 3)):
+        if t is not None:
+            row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t)})
+            row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
     print_row(row)
     return row
 
@@ -270,11 +330,22 @@ def sweep_rows(shape, dists, tiles, dense):
             return jax.jit(lambda q, gs: fp8_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)[kernel]()), (q,)
 
         calls = {kernel: functools.partial(fp8_call, kernel) for kernel in ("forward", "dgrad", "wgrad")}
+    elif FLAGS.fp8_blockwise:  # the blockwise kernels on operands quantized once
+        if not blockwise_runs(shape):
+            return [], {}
+        q = bw_cases.operands(x, w, dy, FLAGS.fp8_format)
+
+        def blockwise_call(kernel, tile):
+            tiling = Tiling.uniform(tile)
+            return jax.jit(lambda q, gs: bw_cases.kernel_calls(q, gs, tiling, dtype, FLAGS.fp8_mma)[kernel]()), (q,)
+
+        calls = {kernel: functools.partial(blockwise_call, kernel) for kernel in ("forward", "dgrad", "wgrad")}
     rows, best = [], {}
     for kernel, make in calls.items():
         scores = {}
         for tile in tiles:
             problem = (fp8_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8 else
+                       bw_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8_blockwise else
                        kernel_tile_problem(kernel, tile, dtype, k, n))
             if problem:
                 print(f"  {kernel:8} {str(tile):18} skipped: {problem}", flush=True)
@@ -313,6 +384,10 @@ def check_rows(shape, dists):
     else:
         _, pallas_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))
         _, ragged_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla"))
+    blockwise = FLAGS.fp8_blockwise and blockwise_runs(shape)
+    if blockwise:  # against the float32 dequantize + ragged_dot of the same block-quantized values
+        _, blockwise_pallas = fwd_and_bwd(bw_cases.training_call(FLAGS.fp8_format))
+        _, blockwise_ref = fwd_and_bwd(bw_cases.training_call(FLAGS.fp8_format, impl="xla"))
     tol = CHECK_TOLERANCE[FLAGS.dtype]
     rows = []
     for dist in dict.fromkeys([*dists, "padded"]):
@@ -326,25 +401,30 @@ def check_rows(shape, dists):
             refs["per-group jnp.dot"] = fwd_and_bwd(lambda x, w, gs, sizes=sizes: per_group_dot(x, w, sizes))[1]
             if FLAGS.ragged_dot:
                 refs["ragged_dot"] = ragged_both
-        for ref_name, ref in refs.items():
-            row = {"shape": list(shape), "dist": dist, "reference": ref_name}
-            try:
-                want = [np.asarray(a, np.float32) for a in ref(x, w, gs, dy)]
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} could not run: "
-                      f"{row['error']}", flush=True)
+        checks = [(got, refs)]
+        if blockwise:
+            checks.append(([np.asarray(a, np.float32) for a in blockwise_pallas(x, w, gs, dy)],
+                           {"blockwise reference (xla)": blockwise_ref}))
+        for got, refs in checks:
+            for ref_name, ref in refs.items():
+                row = {"shape": list(shape), "dist": dist, "reference": ref_name}
+                try:
+                    want = [np.asarray(a, np.float32) for a in ref(x, w, gs, dy)]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} could not run: "
+                          f"{row['error']}", flush=True)
+                    rows.append(row)
+                    continue
+                for name, a, b in zip(("y", "dx", "dw"), got, want):
+                    row[name] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+                total = int(sizes.sum())
+                row["padding_zero"] = bool(np.all(got[0][total:] == 0) and np.all(got[1][total:] == 0))
+                row["ok"] = bool(all(row[name] <= tol for name in ("y", "dx", "dw")) and row["padding_zero"])
                 rows.append(row)
-                continue
-            for name, a, b in zip(("y", "dx", "dw"), got, want):
-                row[name] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-            total = int(sizes.sum())
-            row["padding_zero"] = bool(np.all(got[0][total:] == 0) and np.all(got[1][total:] == 0))
-            row["ok"] = bool(all(row[name] <= tol for name in ("y", "dx", "dw")) and row["padding_zero"])
-            rows.append(row)
-            print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} max err / max |ref|: y "
-                  f"{row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} (tolerance {tol:.1e}); padding rows zero: "
-                  f"{row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}", flush=True)
+                print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} max err / max |ref|: y "
+                      f"{row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} (tolerance {tol:.1e}); padding rows zero: "
+                      f"{row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}", flush=True)
     return rows
 
 
@@ -360,6 +440,9 @@ def main():
     for dist in FLAGS.dists:
         group_sizes(dist, 8, 16)  # unknown names fail before anything is compiled
     tiles = [KernelTile.parse(t) for t in FLAGS.tilings.split(",") if t]
+    if tiles and FLAGS.fp8 and FLAGS.fp8_blockwise:
+        raise BadInput("--tilings sweeps one family of kernels: drop --fp8 (to sweep the blockwise kernels) or "
+                       "--fp8_blockwise")
     if FLAGS.smoke:
         tiles = tiles or ([KernelTile(16, 32, 32)] if FLAGS.fp8 else [KernelTile(16, 16, 16), KernelTile(32, 32, 16)])
     dtype = jnp.dtype(FLAGS.dtype)
@@ -367,7 +450,8 @@ def main():
               "main": [], "sweep": [], "best_tiles": {}, "check": [], "default_tiling": {}, "group_sizes": {}}
     print(f"{report['device']}, jax {jax.__version__}, {FLAGS.dtype}; TFLOP/s count 2*sum(group_sizes)*K*N per "
           "GEMM (forward + backward: 3 GEMMs); 'of dense' divides by the dense GEMM's rate in this run"
-          + (f"; FP8: {FLAGS.fp8_recipe} {FLAGS.fp8_format}" if FLAGS.fp8 else ""), flush=True)
+          + (f"; FP8: {FLAGS.fp8_recipe} {FLAGS.fp8_format}" if FLAGS.fp8 else "")
+          + (f"; FP8 blockwise: {FLAGS.fp8_format}" if FLAGS.fp8_blockwise else ""), flush=True)
     failed = False
     for shape in shapes:
         g, r, n, k = shape
@@ -375,11 +459,15 @@ def main():
         report["default_tiling"]["x".join(map(str, shape))] = str(tiling)
         report["group_sizes"]["x".join(map(str, shape))] = {d: group_sizes(d, g, r).tolist()
                                                              for d in dict.fromkeys([*FLAGS.dists, "padded"])}
-        print(f"\n{'x'.join(map(str, shape))}: default {tiling}\n{HEADER}", flush=True)
+        blockwise_tiles = (f"; blockwise default {default_blockwise_tiling(k, n)}" if FLAGS.fp8_blockwise
+                           else "")
+        print(f"\n{'x'.join(map(str, shape))}: default {tiling}{blockwise_tiles}\n{HEADER}", flush=True)
         dense = dense_row(shape)
         report["main"].append(dense)
         if FLAGS.fp8:
             report["main"].append(dense_fp8_row(shape, dense))
+        if FLAGS.fp8_blockwise and FLAGS.main and blockwise_runs(shape):
+            report["main"].append(dense_blockwise_row(shape, dense))
         if FLAGS.main:
             report["main"] += main_rows(shape, FLAGS.dists, dense)
         if tiles:
