@@ -24,16 +24,24 @@ routed_scaling_factor; topk_method group_limited_greedy ranks n_group groups by 
 (--moe_router_group_score_topk=1) and keeps topk_group. V3: sigmoid scores, e_score_correction_bias moving the
 choice only (--moe_router_enable_expert_bias), groups ranked by the sum of their best 2 scores, the top-k weights
 renormalised (norm_topk_prob), times routed_scaling_factor. Layers before first_k_dense_replace are dense.
-Not converted: V3's multi-token-prediction layers (model.layers.{num_hidden_layers}...) and FP8 checkpoints with
-weight_scale_inv blocks.
+
+Multi-token prediction (V3's num_nextn_predict_layers -> --mtp_num_layers): HF layer num_hidden_layers + k - 1 is
+depth k (mjax/model/mtp.py; its params stacked [depths, ...] under mtp/layers/):
+
+    enorm, hnorm [D]                 -> mtp/layers/enorm/scale, hnorm/scale
+    eh_proj [D, 2D]                  -> mtp/layers/eh_proj/kernel [2D, D]   (input: the embedding's half first)
+    shared_head.norm [D]             -> mtp/layers/final_norm/scale
+    the block's tensors (as above)   -> mtp/layers/block/...                (MoE, like V3's last layers)
+    embed_tokens, shared_head.head   -> copies of model.embed_tokens and lm_head: mjax shares those, so import
+                                        checks each copy equals its original and export writes them.
 """
 
 import numpy as np
 
 from mjax.convert.llama import CHECKS, EMBEDDING, IGNORE, KEYS, OUTPUT, L, mlp_rules
 from mjax.convert.moe import ROUTER, SHARED, deepseek_layers, expert_rules
-from mjax.convert.spec import (IDENTITY, LINEAR, REQUIRED, ConversionError, Family, _single, check_fixed,
-                               check_values, read_keys, rule, write_keys)
+from mjax.convert.spec import (EMBED, IDENTITY, LINEAR, LM_HEAD, REQUIRED, ConversionError, Family, _single,
+                               check_fixed, check_values, read_keys, rule, write_keys)
 
 
 def _rope_order(width: int, rope: int) -> np.ndarray:
@@ -83,8 +91,19 @@ M = L + "mlp."
 DEEPSEEK_V2_RULES = (EMBEDDING, *mla_rules("layers"), *mlp_rules(M, "layers/mlp"), *mla_rules("moe_layers"),
                      rule(M + "gate.weight", ROUTER, LINEAR), *expert_rules(M),
                      *mlp_rules(M + "shared_experts.", SHARED), *OUTPUT)
+MTP, MTP_BLOCK = "mtp/layers/", "mtp/layers/block"
+MTP_RULES = (rule(L + "enorm.weight", MTP + "enorm/scale"), rule(L + "hnorm.weight", MTP + "hnorm/scale"),
+             rule(L + "eh_proj.weight", MTP + "eh_proj/kernel", LINEAR),
+             rule(L + "shared_head.norm.weight", MTP + "final_norm/scale"),
+             *mla_rules(MTP_BLOCK), *mlp_rules(M, MTP_BLOCK + "/mlp"),  # the dense MLP when the last layer is dense
+             rule(M + "gate.weight", MTP_BLOCK + "/mlp/router/kernel", LINEAR),
+             *expert_rules(M, block=MTP_BLOCK), *mlp_rules(M + "shared_experts.", MTP_BLOCK + "/mlp/shared_experts"),
+             rule(M + "gate.e_score_correction_bias", MTP_BLOCK + "/mlp/router/expert_bias", IDENTITY),
+             rule(L + "embed_tokens.weight", "embed/embedding", EMBED, repeated_in="mtp"),
+             rule(L + "shared_head.head.weight", "lm_head/kernel", LM_HEAD, repeated_in="mtp"))
 DEEPSEEK_V3_RULES = (*DEEPSEEK_V2_RULES,
-                     rule(M + "gate.e_score_correction_bias", "moe_layers/mlp/router/expert_bias", IDENTITY))
+                     rule(M + "gate.e_score_correction_bias", "moe_layers/mlp/router/expert_bias", IDENTITY),
+                     *MTP_RULES)
 
 MLA_KEYS = (("q_lora_rank", "q_lora_rank", None), ("kv_lora_rank", "kv_lora_rank", REQUIRED),
             ("qk_nope_head_dim", "qk_head_dim", REQUIRED), ("qk_rope_head_dim", "qk_pos_emb_head_dim", REQUIRED),
@@ -172,6 +191,7 @@ def deepseek_v3_from_hf(hf: dict) -> dict:
         raise ConversionError(f"{family}: config.json norm_topk_prob={hf.get('norm_topk_prob')} with "
                               f"num_experts_per_tok={k} is not supported (mjax renormalises the weights iff k > 1)")
     return dict(out, name="deepseek_v3", moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                mtp_num_layers=hf.get("num_nextn_predict_layers") or None,
                 **_groups(hf.get("n_group", 8), hf.get("topk_group", 4), arch))
 
 
@@ -204,6 +224,9 @@ def _to_hf(m, arch: str, model_type: str, original, fixed: dict) -> dict:
 
 def deepseek_v2_to_hf(m, original=None) -> dict:
     arch = "DeepseekV2ForCausalLM"
+    if m.mtp_depth:
+        raise ConversionError(f"cannot write --mtp_num_layers={m.mtp_depth} as {arch}, which has no multi-token "
+                              "prediction layers; export as DeepseekV3ForCausalLM")
     out = _to_hf(m, arch, "deepseek_v2", original, dict(moe_router_score_function="softmax",
                                                          moe_router_pre_softmax=True,
                                                          moe_router_enable_expert_bias=False))
@@ -215,7 +238,11 @@ def deepseek_v3_to_hf(m, original=None) -> dict:
     arch = "DeepseekV3ForCausalLM"
     out = _to_hf(m, arch, "deepseek_v3", original, dict(moe_router_score_function="sigmoid",
                                                          moe_router_enable_expert_bias=True))
-    return dict(out, topk_method="noaux_tc", norm_topk_prob=m.moe_router_topk > 1, rope_interleave=True)
+    if m.mtp_depth and not m.untie_embeddings_and_output_weights:
+        raise ConversionError(f"cannot write --mtp_num_layers={m.mtp_depth} with tied embeddings as {arch}: its MTP "
+                              "layers hold a copy of the output layer (shared_head.head), which a tied model lacks")
+    return dict(out, topk_method="noaux_tc", norm_topk_prob=m.moe_router_topk > 1, rope_interleave=True,
+                num_nextn_predict_layers=m.mtp_depth)
 
 
 DEEPSEEK_V2 = Family("deepseek_v2", ("DeepseekV2ForCausalLM",), DEEPSEEK_V2_RULES, deepseek_v2_from_hf,

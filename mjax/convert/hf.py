@@ -85,7 +85,8 @@ def _layer_shapes(rule, shapes) -> tuple:  # the shapes of one HF tensor's mjax 
 
 def plan_import(reader: SafetensorsReader, family: Family, model_cfg) -> list:
     """[(rule, [(index into the stacked arrays, HF name in the file)])] after checking every name and shape;
-    unexpected tensors are an error too."""
+    unexpected tensors are an error too. A repeated rule's names are the copies to check against the tensor they
+    copy, its index (row,) each."""
     shapes, dims = param_shapes(model_cfg), Dims.of(model_cfg)
     plan, used = [], set()
     for r in family.active_rules(shapes):
@@ -135,8 +136,13 @@ def iter_params(directory, dtype=None):
     dims = Dims.of(model_cfg)
     shapes = param_shapes(model_cfg)
 
+    copied = {r.mjax: names[0][1] for r, names in plan if not r.per_layer}  # whole-model param -> its HF tensor
+
     def chunks():
         for r, names in plan:
+            if r.repeated_in is not None:  # copies of a whole-model tensor: they must be the tensor itself
+                _check_copies(reader, copied[r.mjax], [name for _, name in names])
+                continue
             out = None
             for index, name in names:
                 parts = r.transform.to_mjax(reader.get(name), dims)
@@ -152,6 +158,17 @@ def iter_params(directory, dtype=None):
             yield out
 
     return model_cfg, chunks()
+
+
+def _check_copies(reader, original: str, copies: list[str]) -> None:
+    if not copies:
+        return
+    want = reader.get(original)
+    for name in copies:
+        if not np.array_equal(reader.get(name), want):
+            raise ConversionError(f"tensor {name!r} differs from {original!r}: mjax's multi-token prediction shares "
+                                  "the model's embedding and output layer (as DeepSeek-V3 trains them), so the copy "
+                                  "must equal it")
 
 
 def hf_to_mjax(input_dir, output_dir, dtype=None) -> dict:
@@ -198,13 +215,16 @@ def hf_config_for(m, family: Family, original: dict | None, dtype) -> dict:
     return {**base, **generated, "vocab_size": m.vocab_size, "torch_dtype": str(np.dtype(dtype))}
 
 
-def _read_layers(stores: dict, r, layers: int, slabs: int = 4):
+def _read_layers(stores: dict, r, layers: int, slabs: int = 4, copies=((),)):
     """Yields (index into the stacked arrays, mjax slices for one HF tensor) of one rule. A stacked parameter is
     read in `slabs` slabs of layers: tensorstore reads a whole stored chunk (here the whole stacked array) for any
     slice, so each slab read costs one pass over it while host memory stays at the array plus one slab (not twice
-    the array). A per-expert rule yields each expert of each layer of the slab."""
-    if not r.per_layer:
-        yield (), tuple(np.asarray(s.read().result()) for s in stores.values())
+    the array). A per-expert rule yields each expert of each layer of the slab; a whole-model parameter is read
+    once and yielded at each index of `copies` (a repeated rule's copies)."""
+    if not r.stacked_axes:
+        whole = tuple(np.asarray(s.read().result()) for s in stores.values()) if copies else ()
+        for index in copies:
+            yield index, whole
         return
     step = -(-layers // slabs)
     for start in range(0, layers, step):
@@ -255,8 +275,8 @@ def mjax_to_hf(input_dir, output_dir, dtype=None, architecture: str | None = Non
     writer = SafetensorsWriter(output, plan, max_shard_bytes)
     stores = params_io.open_params(src, [p for r in rules for p in r.mjax])  # lazy: one slab of layers at a time
     for r in rules:
-        layers = shapes[r.mjax[0]][0] if r.per_layer else 0
-        for index, parts in _read_layers({p: stores[p] for p in r.mjax}, r, layers):
+        layers = shapes[r.mjax[0]][0] if r.stacked_axes else 0
+        for index, parts in _read_layers({p: stores[p] for p in r.mjax}, r, layers, copies=list(names[r])):
             writer.write(names[r][index], np.ascontiguousarray(r.transform.to_hf(parts, dims)).astype(
                 out_dtype(r), copy=False))
     writer.close()

@@ -28,9 +28,9 @@ ROUTER = "moe_layers/mlp/router/kernel"
 SHARED = "moe_layers/mlp/shared_experts"
 
 
-def expert_rules(hf_prefix: str, names=("gate_proj", "up_proj", "down_proj")) -> tuple:
-    """Per-expert SwiGLU weights `{hf_prefix}experts.{j}.{name}.weight` -> stacked moe_layers/mlp/experts/*."""
-    return tuple(rule(f"{hf_prefix}experts.{{j}}.{hf}.weight", f"moe_layers/mlp/experts/{mj}/kernel", LINEAR)
+def expert_rules(hf_prefix: str, names=("gate_proj", "up_proj", "down_proj"), block: str = "moe_layers") -> tuple:
+    """Per-expert SwiGLU weights `{hf_prefix}experts.{j}.{name}.weight` -> stacked {block}/mlp/experts/*."""
+    return tuple(rule(f"{hf_prefix}experts.{{j}}.{hf}.weight", f"{block}/mlp/experts/{mj}/kernel", LINEAR)
                  for hf, mj in zip(names, ("gate_proj", "up_proj", "down_proj")))
 
 

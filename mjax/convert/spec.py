@@ -9,9 +9,14 @@ skipped.
 Names containing `{i}` are per layer: their mjax parameters live in one stack of blocks, `layers/...` (the dense
 blocks) or `moe_layers/...` (the MoE blocks), stacked on a leading axis in model order, and `{i}` runs over the HF
 layer indices of that stack's kind only (ModelConfig.moe_layer_pattern()): with pattern [MoE, dense, MoE] a
-`moe_layers/...` rule reads HF layers 0 and 2 into rows 0 and 1, a `layers/...` rule HF layer 1 into row 0. Names
-that also contain `{j}` are per routed expert (one HF tensor per expert, as the Hub stores them): their mjax
-parameters have a second stacked axis, [layers of the stack, experts, ...].
+`moe_layers/...` rule reads HF layers 0 and 2 into rows 0 and 1, a `layers/...` rule HF layer 1 into row 0. The
+multi-token prediction depths (`mtp/...`, [depths, ...]) are the HF layers after the model's (DeepSeek-V3 numbers
+them num_hidden_layers + k). Names that also contain `{j}` are per routed expert (one HF tensor per expert, as the
+Hub stores them): their mjax parameters have a second stacked axis, [layers of the stack, experts, ...].
+
+A rule with `repeated_in` set is a whole-model tensor that HF repeats in every layer of that stack (DeepSeek-V3's
+MTP layers hold copies of the embedding and the output layer, which mjax shares): export writes the copies, import
+checks that each equals the tensor it copies.
 """
 
 import dataclasses
@@ -21,7 +26,7 @@ import numpy as np
 
 from mjax.storage import ConversionError, InputError, flatten, unflatten  # noqa: F401  (the conversion's own)
 
-STACKS = ("layers", "moe_layers")  # mjax's stacked blocks: dense, MoE (mjax.model.transformer)
+STACKS = ("layers", "moe_layers", "mtp")  # mjax's stacked blocks: dense, MoE (mjax.model.transformer), MTP depths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +42,13 @@ class Dims:
     moe_pattern: tuple[bool, ...]  # per HF layer: whether it is an MoE block
     e: int = 0  # routed experts per MoE layer
     rope: int = 0  # multi-latent attention: the RoPE dims of each query head and of the shared key
+    mtp: int = 0  # multi-token prediction depths
 
     @classmethod
     def of(cls, m) -> "Dims":
         return cls(m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
                    m.vocab_size, m.padded_vocab_size(), m.moe_layer_pattern(), m.num_experts or 0,
-                   m.qk_pos_emb_head_dim if m.multi_latent_attention else 0)
+                   m.qk_pos_emb_head_dim if m.multi_latent_attention else 0, m.mtp_depth)
 
     @property
     def layers(self) -> int:
@@ -50,6 +56,8 @@ class Dims:
 
     def layer_indices(self, stack: str) -> list[int]:
         """The HF layer indices whose blocks stack `stack` holds, in order (row r of the stack is HF layer [r])."""
+        if stack == "mtp":  # the depths follow the model's layers
+            return list(range(self.layers, self.layers + self.mtp))
         moe = STACKS.index(stack) == 1
         return [i for i, is_moe in enumerate(self.moe_pattern) if is_moe == moe]
 
@@ -122,10 +130,15 @@ class Rule:
     hf: str  # HF tensor name; `{i}` marks a per-layer tensor, `{j}` (with `{i}`) a per-expert one
     mjax: tuple[str, ...]  # mjax parameter paths, "/"-separated ("layers/attn/q_proj/kernel")
     transform: Transform = IDENTITY
+    repeated_in: str | None = None  # a whole-model tensor HF repeats in each layer of this stack (copies)
 
     def __post_init__(self):  # a malformed table is a programming error: fail when the module loads
         stacks = {p.split("/", 1)[0] for p in self.mjax}
-        if self.per_layer and (len(stacks) != 1 or not stacks <= set(STACKS)):
+        if self.repeated_in is not None:
+            if not self.per_layer or self.per_expert or self.repeated_in not in STACKS or stacks & set(STACKS):
+                raise ValueError(f"rule {self.hf!r}: a repeated tensor is per layer ({{i}}) of one of {STACKS} and "
+                                 f"targets whole-model parameters: {self.mjax}")
+        elif self.per_layer and (len(stacks) != 1 or not stacks <= set(STACKS)):
             raise ValueError(f"rule {self.hf!r}: per-layer targets must all be in one of {STACKS}: {self.mjax}")
         if self.per_expert and not self.per_layer:
             raise ValueError(f"rule {self.hf!r}: a per-expert name ({{j}}) must be per layer ({{i}}) too")
@@ -140,17 +153,20 @@ class Rule:
 
     @property
     def stack(self) -> str | None:
-        """The stack of blocks a per-layer rule's parameters live in; None for a whole-model tensor."""
+        """The stack of blocks whose layers a per-layer rule's `{i}` runs over; None for a whole-model tensor."""
+        if self.repeated_in is not None:
+            return self.repeated_in
         return self.mjax[0].split("/", 1)[0] if self.per_layer else None
 
     @property
     def stacked_axes(self) -> int:
         """Leading axes of the mjax parameters that the rule's HF tensors are stacked on (layers, experts)."""
-        return int(self.per_layer) + int(self.per_expert)
+        return 0 if self.repeated_in is not None else int(self.per_layer) + int(self.per_expert)
 
 
-def rule(hf: str, mjax: str | tuple[str, ...], transform: Transform = IDENTITY) -> Rule:
-    return Rule(hf, (mjax,) if isinstance(mjax, str) else tuple(mjax), transform)
+def rule(hf: str, mjax: str | tuple[str, ...], transform: Transform = IDENTITY,
+         repeated_in: str | None = None) -> Rule:
+    return Rule(hf, (mjax,) if isinstance(mjax, str) else tuple(mjax), transform, repeated_in)
 
 
 @dataclasses.dataclass(frozen=True)
