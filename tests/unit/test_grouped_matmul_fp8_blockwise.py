@@ -91,8 +91,8 @@ def dequant_pieces(v, s, pieces, dtype):
 
 
 def test_quantizers_match_the_numpy_scheme():
-    """Scales within one float32 ulp of amax / fp8_max per block (XLA divides by 448 as a multiply), the FP8 values
-    those scales give exactly, and wgrad's pieces: never two groups' rows, never across an aligned 128-row block,
+    """Scales within one float32 ulp of amax / fp8_max per block (XLA divides by the FP8 max as a multiply): 1x128
+    rows, 128x128 expert tiles and wgrad's pieces; the FP8 values those scales give exactly; and the pieces: never two groups' rows, never across an aligned 128-row block,
     each group's rows in as few pieces as that allows; the unused trailing pieces own no rows (scale 1)."""
     rng = np.random.default_rng(0)
     sizes = CASES["ragged"]
@@ -103,6 +103,8 @@ def test_quantizers_match_the_numpy_scheme():
     assert [p for p in pieces if p[0] < 128] == [(0, 70), (70, 73), (73, 128)]  # cut at the group boundaries
     assert all(b - a <= 128 and a // 128 == (b - 1) // 128 for a, b in pieces)
 
+    rows_scales = jax.jit(quantize_rows, static_argnums=1)(jnp.asarray(v), jnp.float8_e5m2)[1]  # dy's, dgrad
+    np.testing.assert_allclose(np.asarray(rows_scales), np_rows_scales(v, E5M2), rtol=1.2e-7)
     visits, per_group = gbw.wgrad_pieces(jnp.asarray(sizes, jnp.int32), M)
     q, s = jax.jit(gbw.quantize_pieces, static_argnums=2)(jnp.asarray(v), visits, jnp.float8_e4m3fn)
     s = np.asarray(s)
