@@ -92,8 +92,9 @@ def dequant_pieces(v, s, pieces, dtype):
 
 def test_quantizers_match_the_numpy_scheme():
     """Scales within one float32 ulp of amax / fp8_max per block (XLA divides by the FP8 max as a multiply): 1x128
-    rows, 128x128 expert tiles and wgrad's pieces; the FP8 values those scales give exactly; and the pieces: never two groups' rows, never across an aligned 128-row block,
-    each group's rows in as few pieces as that allows; the unused trailing pieces own no rows (scale 1)."""
+    rows, 128x128 expert tiles and wgrad's pieces; the FP8 values those scales give exactly; and the pieces: never
+    two groups' rows, never across an aligned 128-row block, each group's rows in as few pieces as that allows; the
+    unused trailing pieces own no rows (scale 1)."""
     rng = np.random.default_rng(0)
     sizes = CASES["ragged"]
     v = (rng.standard_normal((M, K)) * np.exp(2 * rng.standard_normal((M, 1)))).astype(np.float32)
