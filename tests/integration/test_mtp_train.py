@@ -68,3 +68,16 @@ def test_tiny_mla_moe_model_with_mtp_trains_on_the_sample_corpus(tmp_path):
     # Both start near ln(1024) = 6.93 and fall far more than the run-to-run spread. Measured over seeds 1234 (the
     # default), 1 and 2: by step 20 the model's loss fell by 1.06-1.11 and the MTP loss by 1.01-1.05.
     assert main[-1] < main[0] - 0.8 and depth[-1] < depth[0] - 0.8
+
+
+def test_fp8_delayed_scaling_reaches_the_mtp_layers():
+    """The MTP depth's linear layers are FP8 like the model's (Megatron's global FP8 context): after two steps each
+    has its own delayed scales, moved from their initial 1 by the amaxes it observed."""
+    cfg = tiny_config(model=dict(mtp_num_layers=1), precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed"),
+                      train=dict(train_iters=2, global_batch_size=4, micro_batch_size=2))
+    history, state = run_steps(cfg, jax.devices()[:1])
+    assert all(np.isfinite([r["loss"], r["mtp_1_loss"]]).all() for r in history)
+    scales = jax.tree_util.tree_flatten_with_path(jax.device_get(state.fp8.scales["mtp"]))[0]
+    assert len(scales) == 8  # eh_proj, q, k, v, o, gate, up, down
+    for path, s in scales:
+        assert np.all(s != 1.0), jax.tree_util.keystr(path)
