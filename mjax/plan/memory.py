@@ -47,8 +47,9 @@ def activation_bytes(cfg, batching) -> int:
 
 
 def transient_bytes(cfg, batching, on_gpu: bool = False) -> int:
-    """The largest buffers live only within one layer or the loss: a recomputed layer's activations (with
-    recomputation) and the fp32 logits and their gradient."""
+    """The largest buffers live only within one layer or the loss: the working set of the layer being
+    back-propagated (its activations as no recomputation keeps them: recomputed, or the gradients of those kept)
+    and the logits and their gradient."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     b, seq = batching.micro_batch_size, t.seq_length
     vocab = m.padded_vocab_size() // p.tp
@@ -59,11 +60,9 @@ def transient_bytes(cfg, batching, on_gpu: bool = False) -> int:
     # the logits in the compute dtype, their fp32 copy and fp32 gradient; a GPU fuses the fp32 copy into the
     # log-sum-exp and the gradient's cast into its producer (each read or written once in the compute dtype)
     logits = b * positions * vocab * (2 * c if on_gpu else 4 + 4 + c)
-    recomputed = 0
-    if cfg.execution.remat_policy != "none":  # what one layer's backward recomputes, live within it
-        everything = cfg.replace(execution=dict(remat_policy="none"))
-        recomputed = (model_activation_bytes(everything, b)[0] - model_activation_bytes(cfg, b)[0]) // m.num_layers
-    return logits + recomputed
+    everything = cfg.replace(execution=dict(remat_policy="none"))
+    total, fixed = model_activation_bytes(everything, b)
+    return logits + (total - fixed) // m.num_layers
 
 
 def memory(cfg, batching, num_devices: int, on_gpu: bool = False) -> Memory:

@@ -47,12 +47,13 @@ LAYOUTS = [
 
 # Layouts (indexes into LAYOUTS) the model still under-predicts by more than TOLERANCE, with the error measured when
 # they were listed (docs/planner.md, "Accuracy"): pipelines (7-11) hold more than the stash plus one stage; context
-# parallelism with all_gather / a2a (13, 14) keeps full-sequence K/V or heads the local trace does not see; MoE with
-# recomputation, sequence parallelism, a pipeline or cp (16-18, 20, 21). The test fails when one of them comes within
+# parallelism with all_gather / a2a and cp x tp (13-15) keeps full-sequence K/V or heads the local trace does not
+# see; MoE with expert parallelism and recomputation, sequence parallelism, a pipeline or cp (17-21): the token
+# dispatcher's send and receive buffers are not in the local trace. The test fails when one of them comes within
 # TOLERANCE (move it out of this set) or when any other layout leaves it.
 KNOWN_MISSES = {
-    7: -0.46, 8: -0.46, 9: -0.33, 10: -0.26, 11: -0.18, 13: -0.16, 14: -0.16, 15: -0.14,
-    16: -0.12, 17: -0.29, 18: -0.27, 20: -0.24, 21: -0.45,
+    7: -0.37, 8: -0.47, 9: -0.38, 10: -0.28, 11: -0.25, 13: -0.20, 14: -0.17, 15: -0.23,
+    17: -0.44, 18: -0.28, 19: -0.32, 20: -0.32, 21: -0.51,
 }
 
 

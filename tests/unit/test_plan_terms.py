@@ -1,0 +1,53 @@
+"""The planner's per-micro-batch terms: the weight copies the backward keeps are counted once, not per sequence, and
+smaller micro-batches of the same global batch are predicted slower (their weight and gradient traffic repeats)."""
+
+import jax
+import numpy as np
+
+from mjax.model import build_model
+from mjax.parallel.layout import validate_layout
+from mjax.parallel.remat import LayerRunner
+from mjax.plan.activations import residuals
+from mjax.plan.cost import step_time
+from mjax.plan.machine import machine_from
+from mjax.plan.memory import activation_bytes
+from mjax.plan.states import state_bytes
+from tests.helpers.train_utils import tiny_config
+
+DENSE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+             vocab_size=256)
+
+
+def _cfg(remat="none", micro=1):
+    return tiny_config(model=DENSE, execution=dict(remat_policy=remat), precision=dict(compute_dtype="bfloat16"),
+                       train=dict(seq_length=32, global_batch_size=8, micro_batch_size=micro))
+
+
+def _matmul_weight_elements(cfg) -> int:  # every linear layer's kernel, counted from the parameter tree
+    model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution))
+    leaves = jax.tree_util.tree_flatten_with_path(model.abstract_params())[0]
+    return sum(int(np.prod(v.shape)) for path, v in leaves if "kernel" in jax.tree_util.keystr(path))
+
+
+def test_weight_copies_are_kept_once_whatever_the_batch():
+    """Without recomputation the backward keeps each weight cast to bf16: 2 bytes per matmul weight (the scalars
+    of the loss aside), which does not grow with the micro-batch; with full recomputation only the output layer's."""
+    cfg = _cfg()
+    fixed = residuals(cfg).fixed
+    assert 0 <= fixed - 2 * _matmul_weight_elements(cfg) <= 64
+    lm_head = DENSE["hidden_size"] * DENSE["vocab_size"]
+    assert 0 <= residuals(_cfg("full")).fixed - 2 * lm_head <= 64
+    one, four = (activation_bytes(_cfg(micro=m), validate_layout(_cfg(micro=m), 1)) for m in (1, 4))
+    assert four - one == 3 * residuals(cfg).per_sequence
+
+
+def test_smaller_micro_batches_are_predicted_slower():
+    machine = machine_from(1, 1, gpu="h200")
+    times = []
+    for micro in (1, 2, 4, 8):
+        cfg = _cfg(micro=micro)
+        t = step_time(cfg, validate_layout(cfg, 1), state_bytes(cfg, 1), machine)
+        times.append((t.compute_s, t.memory_s))
+    assert len({c for c, _ in times}) == 1  # the same FLOPs
+    memory = [m for _, m in times]
+    assert memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[-1]
