@@ -33,9 +33,10 @@ def precision_summary(precision) -> str:
 
 def log_startup(setup, state, flops: float) -> None:
     cfg, m = setup.cfg, setup.cfg.model
-    log.info("model %s: %.3fB parameters, %d layers, hidden %d, heads %d/%d, vocab %d (padded %d)", m.name,
-             count_params(state.params) / 1e9, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads,
-             m.vocab_size, setup.model.vocab_size)
+    log.info("model %s: %.3fB parameters, %d layers%s, hidden %d, heads %d/%d, vocab %d (padded %d)", m.name,
+             count_params(state.params) / 1e9, m.num_layers,
+             f" + {m.mtp_depth} multi-token prediction" if m.mtp_depth else "", m.hidden_size,
+             m.num_attention_heads, m.num_kv_heads, m.vocab_size, setup.model.vocab_size)
     log.info("mesh %s over %d %s devices; micro-batches per step %d", describe(setup.mesh), setup.mesh.size,
              jax.devices()[0].platform, setup.micro_batches)
     p = cfg.parallel
