@@ -44,7 +44,8 @@ def _with_mtp_layer():
     norm_dtype = tensors["model.norm.weight"].dtype
     for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
         out[mtp + name] = rng.standard_normal(d).astype(norm_dtype)
-    out[mtp + "eh_proj.weight"] = rng.standard_normal((d, 2 * d)).astype(tensors[last + "self_attn.o_proj.weight"].dtype)
+    linear_dtype = tensors[last + "self_attn.o_proj.weight"].dtype
+    out[mtp + "eh_proj.weight"] = rng.standard_normal((d, 2 * d)).astype(linear_dtype)
     out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
     out[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].copy()
     return dict(cfg, num_nextn_predict_layers=1), out

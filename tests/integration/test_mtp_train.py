@@ -1,7 +1,8 @@
 """Multi-token prediction trains: a small DeepSeek-V3-shaped model with an MTP depth (MLA, sigmoid-routed experts with
 the expert bias) gives the single-device losses, MTP losses and parameters under context parallelism (the depth's
-token shift in the load-balanced order, packed documents) and expert x tensor parallelism (8 CPU devices); and a
-tiny MLA/MoE model trains from the command line with --mtp_num_layers=1, both losses falling."""
+token shift in the load-balanced order, packed documents), expert x tensor parallelism and tensor + sequence
+parallelism (8 CPU devices); a tiny MLA/MoE model trains from the command line with --mtp_num_layers=1, both losses
+falling; and delayed FP8 reaches the MTP layers."""
 
 import json
 import subprocess
@@ -23,7 +24,8 @@ MODEL = dict(num_layers=2, num_query_groups=None, multi_latent_attention=True, q
              moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
              moe_aux_loss_coeff=0.01, mtp_num_layers=1)
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
-LAYOUTS = {"cp2_dp4": dict(cp=2), "ep2_tp2_dp2": dict(ep=2, tp=2)}
+LAYOUTS = {"cp2_dp4": dict(cp=2), "ep2_tp2_dp2": dict(ep=2, tp=2),
+           "tp2_sp_dp4": dict(tp=2, sequence_parallel=True)}
 _REFERENCE = []
 
 
