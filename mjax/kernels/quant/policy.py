@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from mjax.kernels.quant.fp4 import Fp4Spec, fp4_matmul
 from mjax.kernels.quant.fp8 import FP8_CAST, Fp8Spec, fp8_matmul
-from mjax.kernels.quant.blockwise import BlockwiseSpec, blockwise_matmul
+from mjax.kernels.quant.blockwise import BLOCK, BlockwiseSpec, blockwise_matmul
 from mjax.kernels.options import FP4_RECIPES, QUANT_IMPLS
 
 IMPLS = QUANT_IMPLS
@@ -92,7 +92,8 @@ def quantized_matmul(policy: QuantPolicy, x, w, meta=None, grad_words: bool = Fa
         return fp8_matmul(x, w, meta, dataclasses.replace(per_tensor_spec(policy), grad_words=grad_words))
     if policy.fp8_recipe == "blockwise":
         impl, interpret = _resolve_impl(policy.quant_impl)
-        return blockwise_matmul(x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret))
+        return _padded_to_blocks(x, w, lambda x, w: blockwise_matmul(
+            x, w, meta, BlockwiseSpec(policy.fp8_format, impl, interpret)))
     if policy.fp4_recipe in FP4_RECIPES:
         impl, interpret = _resolve_impl(policy.quant_impl)
         return fp4_matmul(x, w, Fp4Spec(policy.fp4_recipe, policy.fp4_hadamard, policy.fp4_stochastic_rounding, impl,
@@ -103,3 +104,14 @@ def quantized_matmul(policy: QuantPolicy, x, w, meta=None, grad_words: bool = Fa
 def initial_meta() -> jax.Array:
     """Scales before the first update: 1 (Transformer Engine's start; delayed scaling warms up in one step)."""
     return jnp.ones((META_SIZE,), jnp.float32)
+
+
+def _padded_to_blocks(x, w, matmul):
+    """matmul(x, w) with K and N zero-padded to whole 128-blocks, the output's padding sliced off: a partial last
+    block is scaled by the amax of its real entries, as DeepSeek-V3 quantizes its 576-wide KV down-projection."""
+    (m, k), n = x.shape, w.shape[1]
+    pk, pn = -k % BLOCK, -n % BLOCK
+    if not (pk or pn):
+        return matmul(x, w)
+    y = matmul(jnp.pad(x, ((0, 0), (0, pk))), jnp.pad(w, ((0, pk), (0, pn))))  # [M, K + pk] @ [K + pk, N + pn]
+    return y[:, :n]  # [M, N + pn] -> [M, N]
