@@ -231,14 +231,15 @@ class MoE(nnx.Module):
         y = checkpoint_name(constrain(y.astype(self.dtype), ("batch", "seq", "act_embed")), "moe_out")
         return y, stats
 
-    def route(self, logits):
-        """logits [N, E] -> (weights [N, k] in the router dtype, experts [N, k] int32)."""
+    def route(self, logits, expert_bias):
+        """logits [N, E], the router's bias() [E] or None -> (weights [N, k] in the router dtype, experts [N, k]
+        int32)."""
         cfg = self.cfg
         return moe_router.route(
             logits, topk=cfg.moe_router_topk, score_function=cfg.moe_router_score_function,
             pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
             group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-            expert_bias=self.router.bias(), group_score_topk=cfg.moe_router_group_score_topk)
+            expert_bias=expert_bias, group_score_topk=cfg.moe_router_group_score_topk)
 
     def router_stats(self, logits, b):
         """The router's stats (see the module docstring) of b sequences' logits [N, E]."""
@@ -252,7 +253,7 @@ class MoE(nnx.Module):
 
     def route_and_dispatch(self, x, logits):
         """Every expert local: x [B, T, D], logits [B*T, E] -> (y [B, T, D] float32, stats)."""
-        weights, experts = self.route(logits)  # [N, k]
+        weights, experts = self.route(logits, self.router.bias())  # [N, k]
         y, dispatch = self.dispatch_groups(x, weights, experts)
         return y, {**self.router_stats(logits, x.shape[0]), **dispatch}
 

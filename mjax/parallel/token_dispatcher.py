@@ -88,10 +88,13 @@ def _expert_parallel(layer, x, logits, *, mesh, rules, ep_axes, dispatcher_type,
     local = (functools.partial(_alltoall, layer, axes=ep_axes, impl=impl) if dispatcher_type == "alltoall"
              else functools.partial(_allgather, layer, axes=ep_axes))
 
-    def per_device(x, logits, kernels):  # this device's tokens, routed here: top-k stays local
+    # An input, not a closure: under the pipeline's shard_map a value closed over cannot enter the nested one.
+    bias = layer.router.bias()  # [E] or None
+
+    def per_device(x, logits, kernels, bias):  # this device's tokens, routed here: top-k stays local
         bl, tl, _ = x.shape
         flat = logits.reshape(bl * tl, e)
-        weights, experts = layer.route(flat)  # [n, k]
+        weights, experts = layer.route(flat, bias)  # [n, k]
         y, tokens, kept = local(x, weights.reshape(bl, tl, -1), experts.reshape(bl, tl, -1), kernels)
         router = {k: jax.lax.psum(v, seq) if seq else v for k, v in layer.router_stats(flat, bl).items()}
         return y, router, jax.lax.psum(tokens, manual), jax.lax.psum(kept, manual)
@@ -100,8 +103,9 @@ def _expert_parallel(layer, x, logits, *, mesh, rules, ep_axes, dispatcher_type,
         per_device = jax.checkpoint(per_device)
     y, router, tokens, kept = jax.shard_map(
         per_device, mesh=context if nested else mesh, axis_names=set(manual), check_vma=False,
-        in_specs=(token_spec, token_spec, kernel_specs), out_specs=(token_spec, per_seq, P(), P()),
-    )(x.astype(layer.dtype), logits.reshape(b, t, e), kernels)
+        in_specs=(token_spec, token_spec, kernel_specs, None if bias is None else P()),
+        out_specs=(token_spec, per_seq, P(), P()),
+    )(x.astype(layer.dtype), logits.reshape(b, t, e), kernels, bias)
     return y, {**router, **dispatch_stats(tokens, kept)}
 
 
