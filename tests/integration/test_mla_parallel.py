@@ -1,5 +1,6 @@
 """A small DeepSeek-V3-shaped model (MLA with q LoRA and YaRN, sigmoid-routed experts behind a dense layer) trains
-to the single-device losses and parameters under tensor, context, expert and pipeline parallelism (8 CPU devices)."""
+to the single-device losses and parameters under tensor, context, expert and pipeline parallelism (8 CPU devices),
+and with V3's router (expert bias, group-limited routing) under all three of pipeline, expert and tensor at once."""
 
 import jax
 import numpy as np
@@ -16,26 +17,38 @@ MODEL = dict(num_layers=4, num_query_groups=None, multi_latent_attention=True, q
              moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5)
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 # Same fp32 SGD steps as tests/integration/test_parallel.py: layouts move losses by ~1e-7; tolerances 10x and more.
-# Pipeline stages need one dense/MoE pattern each (validation), so pp runs the all-MoE variant.
-LAYOUTS = {"tp2_dp4": (dict(tp=2), {}), "cp2_dp4": (dict(cp=2), {}), "ep2_tp2_dp2": (dict(ep=2, tp=2), {}),
-           "pp2_dp4": (dict(pp=2), dict(moe_first_dense_layers=0))}
+# DeepSeek-V3's router besides MODEL's sigmoid scores and shared expert: aux-loss-free expert bias, group-limited top-k.
+V3_ROUTER = dict(moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1)
+# Every pipeline stage runs one SPMD program with one dense/MoE layer pattern (validation, docs/moe.md), so a dense
+# first layer is refused under --pp > 1: the pp layouts run the all-MoE variant.
+ALL_MOE = dict(moe_first_dense_layers=0)
+# layout: (parallel, model overrides, micro-batch size per data shard; None: the whole batch at once)
+LAYOUTS = {"tp2_dp4": (dict(tp=2), {}, None), "cp2_dp4": (dict(cp=2), {}, None),
+           "ep2_tp2_dp2": (dict(ep=2, tp=2), {}, None), "pp2_dp4": (dict(pp=2), ALL_MOE, None),
+           # mesh pipeline 2 x expert 2 x tensor 2 (data 1); 4 micro-batches of 2 sequences per expert rank, 1f1b
+           "pp2_ep2_tp2_v3": (dict(pp=2, ep=2, tp=2), dict(ALL_MOE, **V3_ROUTER), 2)}
 _REFERENCES = {}
 
 
-def _run(parallel, model, devices):
-    cfg = tiny_config(model=dict(MODEL, **model), parallel=parallel, optimizer=SGD, train=dict(train_iters=2))
+def _run(parallel, model, micro, devices):
+    cfg = tiny_config(model=dict(MODEL, **model), parallel=parallel, optimizer=SGD,
+                      train=dict(train_iters=2, micro_batch_size=micro))
     history, state = run_steps(cfg, devices)
     return [float(m["loss"]) for m in history], jax.device_get(state.params)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mla_layout_matches_single_device(layout):
-    parallel, model = LAYOUTS[layout]
-    key = tuple(sorted(model.items()))
+    parallel, model, micro = LAYOUTS[layout]
+    # One device runs the same micro-batches (the batch is split over data x expert ranks): the expert-bias update
+    # and the gradient sums see the same sets of sequences.
+    shards = jax.device_count() // int(np.prod([parallel.get(k, 1) for k in ("tp", "cp", "pp")]))
+    ref_micro = None if micro is None else micro * shards
+    key = (tuple(sorted(model.items())), ref_micro)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _run({}, model, jax.devices()[:1])
+        _REFERENCES[key] = _run({}, model, ref_micro, jax.devices()[:1])
     ref_losses, ref_params = _REFERENCES[key]
-    losses, params = _run(parallel, model, jax.devices())
+    losses, params = _run(parallel, model, micro, jax.devices())
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
