@@ -53,16 +53,18 @@ def recompute_factor(cfg) -> float:
 
 
 def memory_traffic_bytes(cfg, batching, state) -> float:
-    """Bytes one device moves through its memory per step for the weights and gradients: per micro-batch the
+    """Bytes one device moves through its memory per step for the weights and gradients. Per micro-batch: the
     weights cast to the compute dtype (fp32 read, copy written), that copy read by the forward, the input gradient
-    and a full recomputation, and the fp32 weight gradient written (and added into the accumulated one when
-    micro-batches accumulate); per step the optimizer (Adam: params, gradient and both moments read, params and
-    moments written). Small micro-batches pay the per-micro-batch part more often (their GEMMs are short in M)."""
+    and a full recomputation, the fp32 weight gradient written, and added into the accumulated one when
+    micro-batches accumulate (with FSDP the gathered weights and unscattered gradients are whole layers). Per step:
+    the optimizer (Adam: params, gradient and both moments read, params and moments written). Small micro-batches
+    pay the per-micro-batch part more often (their GEMMs are short in M)."""
     c = BYTES[cfg.precision.compute_dtype]
-    params = state["params"] / BYTES[cfg.precision.params_dtype]  # elements on this device
+    shard = state["params"] / BYTES[cfg.precision.params_dtype]  # elements on this device
+    full = shard * cfg.parallel.fsdp  # FSDP gathers the layers' weights, and scatters their gradients, whole
     weight_reads = 3 if cfg.execution.remat_policy == "full" else 2
     accumulate = 8 if batching.micro_batches > 1 else 0
-    per_micro = params * (4 + c + weight_reads * c + 4 + accumulate)
+    per_micro = shard * (4 + c + accumulate) + full * (weight_reads * c + 4)
     optimizer = (state["params"] + state["optimizer"]) * 2 + state["grads"]
     return per_micro * batching.micro_batches + optimizer
 
