@@ -50,7 +50,8 @@ def make_train_step(model, cfg, tx, schedule):
 
     def micro_loss(params, fp8_scales, micro, denom, scale, moe_carry, mtp_denoms):
         counts, m, keys, num_micro = moe_carry
-        main_keys, mtp_keys = (None, None) if keys is None else (keys[:main_moe], keys[main_moe:])
+        main_keys, mtp_keys = (None, None) if keys is None else (
+            keys[:main_moe], keys[main_moe:] if cfg.model.mtp_is_moe() else None)  # dense MTP blocks: no keys
         module, h, stats = hidden_states(model, params, micro, use_segments, fp8_scales, main_keys)
         total, z = micro_sums(module, h, micro)
         objective = total * scale / denom

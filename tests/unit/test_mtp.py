@@ -134,6 +134,21 @@ def test_train_step_matches_the_unrolled_reference():
     assert all(np.abs(g).max() > 0 for g in mtp_grads)  # every MTP parameter learns
 
 
+def test_dense_mtp_blocks_after_an_moe_model_with_router_noise():
+    """The MTP blocks take the last layer's kind: after a dense last layer they take no router keys, even when
+    --moe_router_force_load_balancing draws keys for the model's MoE layers."""
+    model = dict(MODEL, num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                 moe_layer_freq="[1,0]", moe_router_force_load_balancing=True)
+    cfg = tiny_config(model=model, train=dict(global_batch_size=2, micro_batch_size=2, seq_length=16))
+    assert cfg.model.moe_layer_pattern() == (True, False) and not cfg.model.mtp_is_moe()
+    setup = build(cfg, jax.devices()[:1])
+    state = initial_state(setup)
+    batch = setup.place_batch(next(document_batches(cfg, seed=1)))
+    step, _ = setup.compile_step(state, batch, FAST_COMPILE)
+    _, metrics = step(state, batch)
+    assert all(np.isfinite(metrics[k]) for k in ("loss", "mtp_1_loss", "mtp_2_loss"))
+
+
 # ---- which token each depth reads and predicts ----
 
 def _batch(b=2, t=16, seed=0):
