@@ -42,10 +42,9 @@ def machine_from(num_gpus: int, gpus_per_node: int, gpu: str | None = None, memo
                               "--peak_tflops")
         mem, peak, intra, inter, hbm = GPUS[gpu.lower()]
         memory_gib, peak_tflops = memory_gib or mem, peak_tflops or peak
-        links.setdefault("intra_node_gbps", intra)
-        links.setdefault("inter_node_gbps", inter)
-        if links.get("hbm_gbps") is None:
-            links["hbm_gbps"] = hbm
+        for name, value in (("intra_node_gbps", intra), ("inter_node_gbps", inter), ("hbm_gbps", hbm)):
+            if links.get(name) is None:  # unset flags arrive as None
+                links[name] = value
     if memory_gib is None or peak_tflops is None:
         raise ConfigError("give --gpu=h100|h200|b200, or both --gpu_memory_gib and --peak_tflops")
     links = {k: v for k, v in links.items() if v is not None}

@@ -51,8 +51,8 @@ def _machine(cfg):
         raise ConfigError("--num_gpus is required (the GPUs to plan for)")
     return machine_from(FLAGS.num_gpus, FLAGS.gpus_per_node, FLAGS.gpu, FLAGS.gpu_memory_gib,
                         cfg.logging.peak_tflops, gemm_efficiency=FLAGS.gemm_efficiency,
-                        intra_node_gbps=FLAGS.intra_node_gbps, inter_node_gbps=FLAGS.inter_node_gbps, hbm_gbps=FLAGS.hbm_gbps,
-                        comm_overlap=FLAGS.comm_overlap)
+                        intra_node_gbps=FLAGS.intra_node_gbps, inter_node_gbps=FLAGS.inter_node_gbps,
+                        hbm_gbps=FLAGS.hbm_gbps, comm_overlap=FLAGS.comm_overlap)
 
 
 def _space(cfg):

@@ -3,7 +3,7 @@ their reason), the table, the JSON, and the train.py command of a layout."""
 
 import dataclasses
 
-from mjax.config import load_config
+from mjax.config import ConfigError, load_config
 from mjax.config.flags import _fields
 from mjax.plan.cost import StepTime, step_time
 from mjax.plan.enumerate import SearchSpace, candidates
@@ -31,7 +31,8 @@ class Prediction:
     def row(self, machine) -> dict:
         return {"layout": self.name, "gib_per_device": self.memory.total / GIB,
                 "memory_gib": {k: v / GIB for k, v in dataclasses.asdict(self.memory).items()},
-                "step_time_s": self.time.total_s, "compute_s": self.time.compute_s, "memory_s": self.time.memory_s, "bubble": self.time.bubble,
+                "step_time_s": self.time.total_s, "compute_s": self.time.compute_s, "memory_s": self.time.memory_s,
+                "bubble": self.time.bubble,
                 "comm_s": self.time.comm_s, "tokens_per_s": self.tokens_per_s(), "mfu": self.mfu(machine),
                 "micro_batches": self.batching.micro_batches, "reject": self.reject}
 
@@ -53,6 +54,9 @@ class Plan:
 
 
 def make_plan(cfg, machine, space: SearchSpace = SearchSpace()) -> Plan:
+    if cfg.model.mtp_depth:  # the activation trace runs the model's forward, not the MTP depths after it
+        raise ConfigError(f"--mtp_num_layers={cfg.model.mtp_num_layers}: the planner does not model the multi-token "
+                          "prediction blocks' memory yet; plan without --mtp_num_layers")
     found, refused = candidates(cfg, machine, space)
     predictions = [predict(c, machine) for c in found]
     ranked = sorted((p for p in predictions if p.reject is None), key=lambda p: (p.time.total_s, p.memory.total))

@@ -1,9 +1,12 @@
 """The planner's per-micro-batch terms: the weight copies the backward keeps are counted once, not per sequence, and
-smaller micro-batches of the same global batch are predicted slower (their weight and gradient traffic repeats)."""
+smaller micro-batches of the same global batch are predicted slower (their weight and gradient traffic repeats);
+the GPU table's figures fill unset flags; what the planner does not model is refused by name."""
 
 import jax
 import numpy as np
+import pytest
 
+from mjax.config import ConfigError
 from mjax.model import build_model
 from mjax.parallel.layout import validate_layout
 from mjax.parallel.remat import LayerRunner
@@ -11,6 +14,7 @@ from mjax.plan.activations import residuals
 from mjax.plan.cost import step_time
 from mjax.plan.machine import machine_from
 from mjax.plan.memory import activation_bytes
+from mjax.plan.rank import make_plan
 from mjax.plan.states import state_bytes
 from tests.helpers.train_utils import tiny_config
 
@@ -49,5 +53,19 @@ def test_smaller_micro_batches_are_predicted_slower():
         t = step_time(cfg, validate_layout(cfg, 1), state_bytes(cfg, 1), machine)
         times.append((t.compute_s, t.memory_s))
     assert len({c for c, _ in times}) == 1  # the same FLOPs
-    memory = [m for _, m in times]
-    assert memory == sorted(memory, reverse=True) and memory[0] > 4 * memory[-1]
+    memory = [m for _, m in times]  # 8, 4, 2, 1 micro-batches
+    assert memory == sorted(memory, reverse=True)
+    # the per-micro-batch part repeats with the micro-batch count (accumulating: 8, 4, 2): linear in it
+    np.testing.assert_allclose(memory[0] - memory[1], 2 * (memory[1] - memory[2]), rtol=1e-12)
+
+
+def test_gpu_figures_fill_what_the_flags_leave_unset():
+    machine = machine_from(8, 8, "b200", intra_node_gbps=None, inter_node_gbps=None, hbm_gbps=None)
+    assert (machine.intra_node_gbps, machine.inter_node_gbps, machine.hbm_gbps) == (900.0, 50.0, 8000.0)
+    assert machine_from(8, 8, "b200", intra_node_gbps=300.0).intra_node_gbps == 300.0
+
+
+def test_multi_token_prediction_is_refused_by_name():
+    cfg = tiny_config(model=dict(DENSE, mtp_num_layers=1), train=dict(seq_length=32, global_batch_size=8))
+    with pytest.raises(ConfigError, match="--mtp_num_layers"):
+        make_plan(cfg, machine_from(1, 1, "h200"))
