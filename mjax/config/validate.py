@@ -160,9 +160,8 @@ def validate_moe(cfg: Config) -> None:
         raise ConfigError(f"--fp4_recipe={pr.fp4_recipe} with MoE layers is not supported: the expert GEMMs run in "
                           "FP8 with --fp8_recipe=delayed|tensorwise|blockwise, or in the compute dtype; drop "
                           "--fp4_recipe")
-    if pr.fp8_recipe == "blockwise":  # the experts' GEMM sizes (--ffn_hidden_size, their default, is checked anyway)
-        check_blockwise_dims({f"--{name}": getattr(m, name) for name in
-                              ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size") if getattr(m, name)})
+    if pr.fp8_recipe == "blockwise" and m.moe_ffn_hidden_size:  # the grouped GEMMs' N and K (linear layers pad)
+        check_blockwise_dims({"--moe_ffn_hidden_size": m.moe_ffn_hidden_size})
     if p.pp > 1:
         stages = stage_layout(p, m.num_layers)
         if any(pattern[stages.first_layer(v) + j] != pattern[j] for v, n in enumerate(stages.counts)

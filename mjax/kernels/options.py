@@ -5,7 +5,6 @@ QUANT_IMPLS = ("auto", "xla", "pallas")
 QKV_GRAD_IMPLS = ("auto", "xla", "pallas")
 CROSS_ENTROPY_IMPLS = ("reference", "fused")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
-PER_TENSOR_FP8_RECIPES = ("delayed", "tensorwise")
 FP4_RECIPES = ("nvfp4", "mxfp4")
 
 # Remat names the kernels give their results: an attention kernel's output and softmax statistics (saving them

@@ -64,7 +64,7 @@ def memory_traffic_bytes(cfg, batching, state) -> float:
     full = shard * cfg.parallel.fsdp  # FSDP gathers the layers' weights, and scatters their gradients, whole
     weight_reads = 3 if cfg.execution.remat_policy == "full" else 2
     accumulate = 8 if batching.micro_batches > 1 else 0
-    per_micro = shard * (4 + c + accumulate) + full * (weight_reads * c + 4)
+    per_micro = shard * (BYTES[cfg.precision.params_dtype] + c + accumulate) + full * (weight_reads * c + 4)
     optimizer = (state["params"] + state["optimizer"]) * 2 + state["grads"]
     return per_micro * batching.micro_batches + optimizer
 

@@ -152,6 +152,14 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
                                  backend != "gpu")
 
 
+def _one_impl(choices: set, op: str) -> str:
+    """The implementation every weight of one call resolved to (they share x, so one kernel family runs them)."""
+    if len(choices) != 1:
+        raise ValueError(f"{op}: the weights resolve to different implementations ({', '.join(sorted(choices))}); "
+                         "set --moe_grouped_gemm_impl explicitly")
+    return next(iter(choices))
+
+
 def fp8_grouped_matmul(x, w, group_sizes, meta, spec, *, impl: str = "auto", tiling: Tiling | None = None):
     """The grouped matmul in per-tensor FP8 (fp8.py): x [M, K] in the compute dtype, w one [G, K, N] (any float
     dtype; the master weights) or a tuple of them reading the same x, meta [G, 3] f32 (a tuple with w's), spec an
@@ -172,8 +180,8 @@ def fp8_grouped_matmul(x, w, group_sizes, meta, spec, *, impl: str = "auto", til
                              f"{mi.shape}")
     (m, k), backend = x.shape, jax.default_backend()
     grad_dtype = spec.dtypes[1]
-    chosen = {choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
-                          groups=wi.shape[0], fp8_grad=grad_dtype) for wi in ws}.pop()
+    chosen = _one_impl({choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
+                                    groups=wi.shape[0], fp8_grad=grad_dtype) for wi in ws}, "fp8_grouped_matmul")
     for wi in ws:
         _log_choice(impl, chosen, (m, k), tuple(wi.shape), f"{x.dtype} fp8 {spec.recipe} {spec.format}")
     tilings = tuple(resolve_tiling(tiling, x.dtype, k, wi.shape[2], grad_dtype) if chosen == "pallas" else None
@@ -211,8 +219,8 @@ def blockwise_grouped_matmul(x, w, group_sizes, meta, fp8_format: str = "hybrid"
             raise BlockwiseUnsupported(
                 f"--fp8_recipe=blockwise needs the expert GEMMs' sizes to be multiples of 128 (x [{m}, {k}] . "
                 f"w{tuple(wi.shape)}); change --hidden_size / --moe_ffn_hidden_size or use --fp8_recipe=tensorwise")
-    chosen = {choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
-                          groups=wi.shape[0], blockwise=True) for wi in ws}.pop()
+    chosen = _one_impl({choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=wi.shape[2], tiling=tiling, m=m,
+                                    groups=wi.shape[0], blockwise=True) for wi in ws}, "blockwise_grouped_matmul")
     for wi in ws:
         _log_choice(impl, chosen, (m, k), tuple(wi.shape), f"{x.dtype} fp8 blockwise {fp8_format}")
     tilings = tuple((tiling or default_blockwise_tiling(k, wi.shape[2])) if chosen == "pallas" else None for wi in ws)
