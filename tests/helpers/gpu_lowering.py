@@ -35,3 +35,18 @@ def lower_for_h200(f, *args) -> int:
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
     return len(verified)
+
+
+def assert_grouped_fwd_bwd_lowers(fwd_bwd, rows: int, k: int, ns, groups: int, modules: int) -> None:
+    """fwd_bwd(x, ws, group_sizes, metas, dys) of a grouped matmul over weights [groups, k, n] for n in ns lowers to
+    `modules` Triton modules, alone and under jax.vmap over two dispatch groups (as MoE runs it)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    args = (jnp.zeros((rows, k), jnp.bfloat16), tuple(jnp.zeros((groups, k, n)) for n in ns),
+            jnp.zeros((groups,), jnp.int32), tuple(jnp.ones((groups, 3)) for _ in ns),
+            tuple(jnp.zeros((rows, n), jnp.bfloat16) for n in ns))
+    assert lower_for_h200(fwd_bwd, *args) == modules
+    batched = jax.vmap(fwd_bwd, in_axes=(0, None, 0, None, 0))  # MoE's dispatch groups
+    args = (jnp.zeros((2,) + args[0].shape, jnp.bfloat16), args[1], jnp.zeros((2, groups), jnp.int32), args[3],
+            tuple(jnp.zeros((2,) + d.shape, jnp.bfloat16) for d in args[4]))
+    assert lower_for_h200(batched, *args) == modules

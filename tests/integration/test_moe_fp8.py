@@ -68,17 +68,24 @@ def test_expert_scales_observe_their_amaxes_and_bf16_layers_observe_nothing():
     tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % 100
     with setup.sharding():
         amax = jax.jit(jax.grad(lambda s: jnp.sum(model.apply(params, tokens, fp8=s)[..., :8])))(scales)
+    assert_expert_amaxes(amax, params)
+    shared = np.asarray(amax["moe_layers"]["mlp"]["shared_experts"]["up_proj"]["fp8_meta"])
+    assert (shared[[0, 2]] == 0).all() and (shared[1] > 0).all()
+
+
+def assert_expert_amaxes(amax, params):
+    """The experts' fp8_meta gradients [layers, experts, (x, w, grad)] of a 3-layer model whose middle layer runs
+    in FP8 (the first and last in bf16 report nothing): each expert's weight amax exactly, one x and one grad amax
+    for all experts, and the gate and up projections (sharing x) the same x amax."""
     experts = amax["moe_layers"]["mlp"]["experts"]
     for proj in PROJECTIONS:
-        seen = np.asarray(experts[proj]["fp8_meta"])  # [layers, experts, (x, w, grad)]
-        assert (seen[[0, 2]] == 0).all() and (seen[1] > 0).all(), proj
+        seen = np.asarray(experts[proj]["fp8_meta"])
+        assert seen.shape[0] == 3 and (seen[[0, 2]] == 0).all() and (seen[1] > 0).all(), proj
         w = np.asarray(params["moe_layers"]["mlp"]["experts"][proj]["kernel"][1])  # [E, in, out]
         np.testing.assert_array_equal(seen[1, :, 1], np.abs(w).max(axis=(1, 2)))
         assert (seen[1, :, 0] == seen[1, 0, 0]).all() and (seen[1, :, 2] == seen[1, 0, 2]).all()
     np.testing.assert_array_equal(np.asarray(experts["gate_proj"]["fp8_meta"][1, :, 0]),
                                   np.asarray(experts["up_proj"]["fp8_meta"][1, :, 0]))
-    shared = np.asarray(amax["moe_layers"]["mlp"]["shared_experts"]["up_proj"]["fp8_meta"])
-    assert (shared[[0, 2]] == 0).all() and (shared[1] > 0).all()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from mjax.kernels.quant.fp8 import Fp8Spec
 from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
                                          fp8_grouped_matmul, resolve_tiling, why_unsupported)
 from mjax.kernels.grouped_matmul.fp8 import GroupedFp8Plan, grouped_fp8
-from tests.helpers.gpu_lowering import lower_for_h200
+from tests.helpers.gpu_lowering import assert_grouped_fwd_bwd_lowers
 from tests.unit.test_grouped_matmul import _tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -285,14 +285,7 @@ def test_every_fp8_kernel_lowers_through_triton_for_an_h200(fmt, rows):
         ys, vjp = jax.vjp(lambda x, ws, metas: grouped_fp8(x, ws, gs, metas, plan), x, ws, metas)
         return ys, vjp(dys)
 
-    args = (jnp.zeros((rows, k), jnp.bfloat16), tuple(jnp.zeros((groups, k, n)) for n in ns),
-            jnp.zeros((groups,), jnp.int32), tuple(jnp.ones((groups, 3)) for _ in ns),
-            tuple(jnp.zeros((rows, n), jnp.bfloat16) for n in ns))
-    assert lower_for_h200(fwd_bwd, *args) == 11
-    batched = jax.vmap(fwd_bwd, in_axes=(0, None, 0, None, 0))  # MoE's dispatch groups
-    args = (jnp.zeros((2,) + args[0].shape, jnp.bfloat16), args[1], jnp.zeros((2, groups), jnp.int32), args[3],
-            tuple(jnp.zeros((2,) + d.shape, jnp.bfloat16) for d in args[4]))
-    assert lower_for_h200(batched, *args) == 11
+    assert_grouped_fwd_bwd_lowers(fwd_bwd, rows, k, ns, groups, modules=11)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@
 dequantize + ragged_dot reference against NumPy float64 products of the same quantized values, with ragged and
 empty groups, group starts inside 128-row blocks, a ragged tail and NaN padding rows; Pallas against the reference
 under jax.vmap over dispatch groups; the whole op against the unquantized grouped GEMM within FP8's error; the
-Triton lowering for an H200; the dispatch and its errors."""
+Triton lowering for an H200. The dispatch, its errors and the benchmark: test_grouped_matmul_fp8_blockwise_dispatch.py."""
 
 import functools
 
@@ -13,12 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, blockwise_grouped_matmul,
-                                         choose_impl, grouped_matmul, why_unsupported)
+from mjax.kernels.grouped_matmul import KernelTile, Tiling, blockwise_grouped_matmul, grouped_matmul
 from mjax.kernels.grouped_matmul import fp8_blockwise as gbw
 from mjax.kernels.grouped_matmul.tiling import default_blockwise_tiling
-from mjax.kernels.quant.blockwise import BlockwiseUnsupported, quantize_rows
-from tests.helpers.gpu_lowering import lower_for_h200
+from mjax.kernels.quant.blockwise import quantize_rows
+from tests.helpers.gpu_lowering import assert_grouped_fwd_bwd_lowers
 from tests.unit.test_grouped_matmul import _tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -365,14 +364,7 @@ def test_every_blockwise_kernel_lowers_through_triton_for_an_h200(fmt, rows):
         ys, vjp = jax.vjp(lambda x, ws, metas: gbw.grouped_blockwise(x, ws, gs, metas, plan), x, ws, metas)
         return ys, vjp(dys)
 
-    args = (jnp.zeros((rows, k), jnp.bfloat16), tuple(jnp.zeros((groups, k, n)) for n in ns),
-            jnp.zeros((groups,), jnp.int32), tuple(jnp.ones((groups, 3)) for _ in ns),
-            tuple(jnp.zeros((rows, n), jnp.bfloat16) for n in ns))
-    assert lower_for_h200(fwd_bwd, *args) == 6
-    batched = jax.vmap(fwd_bwd, in_axes=(0, None, 0, None, 0))  # MoE's dispatch groups
-    args = (jnp.zeros((2,) + args[0].shape, jnp.bfloat16), args[1], jnp.zeros((2, groups), jnp.int32), args[3],
-            tuple(jnp.zeros((2,) + d.shape, jnp.bfloat16) for d in args[4]))
-    assert lower_for_h200(batched, *args) == 6
+    assert_grouped_fwd_bwd_lowers(fwd_bwd, rows, k, ns, groups, modules=6)
 
 
 @pytest.mark.gpu
@@ -409,82 +401,3 @@ def test_gpu_kernels_match_the_reference_of_the_same_quantization(fmt):
         for b, item_sizes in enumerate(sizes if batched else sizes[:1]):  # padding rows: zeros
             for y in got[0]:
                 assert np.all(np.asarray(y[b] if batched else y)[sum(item_sizes):] == 0)
-
-
-# ---- dispatch and errors ----
-
-FACTS = dict(dtype=jnp.bfloat16, k=2048, n=768, blockwise=True)
-
-
-def test_auto_is_the_reference_off_gpu_and_the_kernels_on_gpu():
-    assert choose_impl("auto", backend="cpu", **FACTS) == "xla"
-    assert choose_impl("auto", backend="gpu", **FACTS) == "pallas"
-    sizes = CASES["ragged"]
-    x, ws, _ = make_inputs(sizes)
-    jaxpr = str(jax.make_jaxpr(lambda x: blockwise_grouped_matmul(x, ws[0], jnp.asarray(sizes), jnp.ones((G, 3))))(x))
-    assert "ragged_dot" in jaxpr and "pallas_call" not in jaxpr and "f8_e4m3fn" in jaxpr
-
-
-@pytest.mark.parametrize("facts,reason", [
-    (dict(k=2048 + 64), "not multiples of 128"),
-    (dict(n=768 + 32), "not multiples of 128"),
-    (dict(tiling=Tiling.uniform(KernelTile(128, 128, 64))), "must step 128"),
-    (dict(tiling=Tiling(KernelTile(128, 256, 128), KernelTile(128, 256, 128), KernelTile(128, 512, 128))),
-     "N=768 to be a multiple of block_n=512"),
-])
-def test_kernels_that_cannot_take_the_call_raise_naming_the_flag(facts, reason):
-    facts = {**FACTS, **facts}
-    assert reason in why_unsupported("pallas", backend="gpu", **facts)
-    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl=auto") as err:
-        choose_impl("auto", backend="gpu", **facts)
-    assert reason in str(err.value)
-
-
-def test_bad_arguments_raise():
-    sizes = CASES["ragged"]
-    x, ws, _ = make_inputs(sizes)
-    gs, ones = jnp.asarray(sizes), jnp.ones((G, 3))
-    with pytest.raises(BlockwiseUnsupported, match="--fp8_recipe=blockwise"):
-        blockwise_grouped_matmul(x[:, :192], ws[0][:, :192], gs, ones)
-    with pytest.raises(BlockwiseUnsupported, match="--moe_ffn_hidden_size"):
-        blockwise_grouped_matmul(x, ws[0][..., :200], gs, ones)
-    with pytest.raises(ValueError, match=r"meta must be \[G, 3\]"):
-        blockwise_grouped_matmul(x, ws[0], gs, jnp.ones((3,)))
-    with pytest.raises(ValueError, match="one meta per weight"):
-        blockwise_grouped_matmul(x, ws, gs, (ones,))
-    with pytest.raises(ValueError, match="--fp8_format"):
-        blockwise_grouped_matmul(x, ws[0], gs, ones, "e5m2")
-    with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl"):
-        blockwise_grouped_matmul(x, ws[0], gs, ones, impl="triton")
-
-
-# ---- the benchmark (benchmarks/bench_grouped_matmul.py --fp8_blockwise) ----
-
-@pytest.mark.slow
-def test_benchmark_blockwise_smoke_run_tables_sweeps_and_checks(tmp_path):
-    """The script's blockwise cases end to end off GPU (kernels interpreted; a subprocess, as its absl flags are
-    global): the op, its kernels alone and the dense blockwise GEMM beside the bf16 rows, the sweep of its kernels
-    (a tile not 128 deep refused), --check against its reference, and a shape blockwise cannot take skipped."""
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    out = tmp_path / "gmm_blockwise.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--shapes=2x192x256x128,4x40x64x32",
-                           "--fp8_blockwise", "--check", "--min_time_s=0.001", "--dists=balanced,empty",
-                           "--noragged_dot", "--tilings=32x128x128w4s3,32x128x64w4s3", f"--json_out={out}"],
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "check: all PASS" in proc.stdout
-    assert "4x40x64x32             blockwise rows skipped" in proc.stdout
-    assert "blockwise FP8 kernels step 128 deep" in proc.stdout  # the 64-deep tile is refused, not run
-    report = json.loads(out.read_text())
-    assert {r["impl"] for r in report["main"] if r["shape"] == [2, 192, 256, 128]} == {
-        "dense jnp.dot (ceiling)", "dense fp8 blockwise", "pallas", "pallas fp8 blockwise",
-        "blockwise kernels mma=auto"}
-    assert all(not r["error"] for r in report["main"])
-    blockwise_checks = [r for r in report["check"] if r["reference"] == "blockwise reference (xla)"]
-    assert len(blockwise_checks) == 3 and all(r["ok"] for r in blockwise_checks)
-    assert report["best_tiles"]["2x192x256x128"] == {k: "32x128x128w4s3" for k in ("forward", "dgrad", "wgrad")}
