@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from mjax.kernels.attention.flash_common import compiler_params, dot
 from mjax.kernels.grouped_matmul.fp8_pallas import upcast_for
-from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles, swizzle
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles, swizzle, visit_tile
 from mjax.kernels.grouped_matmul.tiling import BLOCKWISE_DEPTH, KernelTile
 
 STEP = BLOCKWISE_DEPTH
@@ -46,12 +46,7 @@ def _row_block_kernel(visits_ref, a_ref, sa_ref, b_ref, sb_ref, out_ref, *, tile
     """One (row-block visit, column block) of out = sum_d (a[:, d] . b[g][:, d]^T) * sa[d, rows] * sb[g, d, cols]
     with a [M, D], b [G, C, D], sa flattened from [D/128, M], sb [G, D/128, C]."""
     bm, bn = tile.block_m, tile.block_n
-    t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
-    group, block, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
-    row0 = pl.multiple_of(block * bm, bm)
-    col0 = pl.multiple_of(j * bn, bn)
-    row_ids = row0 + jnp.arange(bm, dtype=jnp.int32)
-    keep = jnp.broadcast_to(((row_ids >= first) & (row_ids < last))[:, None], (bm, bn))
+    group, row0, col0, row_ids, keep = visit_tile(visits_ref, tile, n_visits, n_col_blocks)
     out = out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
 
     @pl.when(group < groups)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mjax.kernels.attention.flash_common import compiler_params, dot
-from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, row_tiles, swizzle
+from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, row_tiles, swizzle, visit_tile
 from mjax.kernels.grouped_matmul.tiling import KernelTile, Tiling
 
 
@@ -33,12 +33,7 @@ def _row_block_kernel(visits_ref, a_ref, w_ref, *refs, tile: KernelTile, n_visit
     `upcast`: a dtype both operand tiles are converted to before the dot (FP8 of two formats, see fp8_pallas.py)."""
     scale_ref, out_ref = refs if len(refs) == 2 else (None, *refs)
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
-    group, block, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
-    row0 = pl.multiple_of(block * bm, bm)
-    col0 = pl.multiple_of(j * bn, bn)
-    row_ids = row0 + jnp.arange(bm, dtype=jnp.int32)
-    keep = jnp.broadcast_to(((row_ids >= first) & (row_ids < last))[:, None], (bm, bn))
+    group, row0, col0, row_ids, keep = visit_tile(visits_ref, tile, n_visits, n_col_blocks)
     out = out_ref.at[pl.ds(row0, bm), pl.ds(col0, bn)]
 
     @pl.when(group < groups)

@@ -9,6 +9,7 @@ number of visits is at most ceil(M / block_m) + G: a static grid, whose trailing
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 UNUSED = 1  # offset past the padding segment's id: a visit with group id G + UNUSED does nothing
 
@@ -54,3 +55,17 @@ def swizzle(pid, n_rows: int, n_cols: int, group: int):
     rows_here = jnp.minimum(jnp.int32(n_rows) - first, jnp.int32(group))
     local = lax.rem(pid, jnp.int32(per_group))
     return first + lax.rem(local, rows_here), lax.div(local, rows_here)
+
+
+def visit_tile(visits_ref, tile, n_visits: int, n_col_blocks: int):
+    """Inside a row-block kernel: this program's (row-block visit, column block) of row_tiles' work list ->
+    (segment, first row, first column, the block's row ids [block_m], the store mask [block_m, block_n]: the rows of
+    the visited segment)."""
+    bm, bn = tile.block_m, tile.block_n
+    t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
+    group, block, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
+    row0 = pl.multiple_of(block * bm, bm)
+    col0 = pl.multiple_of(j * bn, bn)
+    row_ids = row0 + jnp.arange(bm, dtype=jnp.int32)
+    keep = jnp.broadcast_to(((row_ids >= first) & (row_ids < last))[:, None], (bm, bn))
+    return group, row0, col0, row_ids, keep
