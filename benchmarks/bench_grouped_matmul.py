@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import fp8_blockwise_grouped_cases as bw_cases  # noqa: E402
 from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
+from benchmarks.grouped_cases import fwd_and_bwd, group_sizes, operands, per_group_dot, tflops  # noqa: E402
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling)
@@ -85,65 +86,9 @@ FLAGS = flags.FLAGS
 CHECK_TOLERANCE = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 2.0**-9}
 
 
-def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
-    """int32 [G] summing to G * rows (padded: to 7/8 of it)."""
-    total = groups * rows
-
-    def spread(count, over):  # `count` rows as evenly as possible over the groups marked in `over`
-        sizes = np.zeros(groups, np.int64)
-        idx = np.flatnonzero(over)
-        sizes[idx] = count // len(idx)
-        sizes[idx[: count % len(idx)]] += 1
-        return sizes
-
-    if dist == "balanced":
-        return np.full(groups, rows, np.int32)
-    if dist == "skewed":  # one group with half the rows, the rest split evenly
-        sizes = spread(total - total // 2, np.arange(groups) > 0)
-        sizes[0] = total // 2
-        return sizes.astype(np.int32)
-    if dist == "empty":  # the first, every fourth and the last group empty
-        full = (np.arange(groups) % 4 != 0) & (np.arange(groups) != groups - 1)
-        return spread(total, full if full.any() else np.arange(groups) == 0).astype(np.int32)
-    if dist == "padded":
-        return spread(total - total // 8, np.ones(groups, bool)).astype(np.int32)
-    raise ValueError(f"--dists: unknown distribution {dist!r} (balanced, skewed, empty, padded)")
-
-
-def operands(groups, rows, n, k, dtype, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 3)
-    m = groups * rows
-    x = jax.random.normal(keys[0], (m, k), dtype)
-    w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) * k**-0.5).astype(dtype)
-    dy = jax.random.normal(keys[2], (m, n), dtype)
-    return x, w, dy
-
-
 def fp8_spec():
     on_gpu = jax.default_backend() == "gpu"
     return fp8.Fp8Spec(FLAGS.fp8_recipe, FLAGS.fp8_format, impl="pallas" if on_gpu else "xla", interpret=not on_gpu)
-
-
-def fwd_and_bwd(fn):
-    """jit'ed forward, and forward + backward returning (y, dx, dw), of fn(x, w, group_sizes)."""
-    def both(x, w, gs, dy):
-        y, vjp = jax.vjp(lambda x, w: fn(x, w, gs), x, w)
-        return (y, *vjp(dy))
-
-    return jax.jit(fn), jax.jit(both)
-
-
-def per_group_dot(x, w, sizes):
-    """The reference for --check with host-known sizes: one f32-accumulated jnp.dot per group, zeros for padding."""
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    parts = [jnp.dot(x[s:e], w[g], preferred_element_type=jnp.float32) for g, (s, e) in
-             enumerate(zip(starts[:-1], starts[1:])) if e > s]
-    parts.append(jnp.zeros((x.shape[0] - starts[-1], w.shape[2]), jnp.float32))
-    return jnp.concatenate(parts).astype(x.dtype)
-
-
-def tflops(flop, seconds):
-    return flop / seconds / 1e12
 
 
 def time_or_error(fn, *args):

@@ -1,0 +1,62 @@
+"""The grouped-matmul benchmark's cases: row distributions over the groups, random operands, the per-group
+reference for --check, jit'ed forward and forward + backward of a grouped matmul, and the TFLOP/s of a timing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
+    """int32 [G] summing to G * rows (padded: to 7/8 of it)."""
+    total = groups * rows
+
+    def spread(count, over):  # `count` rows as evenly as possible over the groups marked in `over`
+        sizes = np.zeros(groups, np.int64)
+        idx = np.flatnonzero(over)
+        sizes[idx] = count // len(idx)
+        sizes[idx[: count % len(idx)]] += 1
+        return sizes
+
+    if dist == "balanced":
+        return np.full(groups, rows, np.int32)
+    if dist == "skewed":  # one group with half the rows, the rest split evenly
+        sizes = spread(total - total // 2, np.arange(groups) > 0)
+        sizes[0] = total // 2
+        return sizes.astype(np.int32)
+    if dist == "empty":  # the first, every fourth and the last group empty
+        full = (np.arange(groups) % 4 != 0) & (np.arange(groups) != groups - 1)
+        return spread(total, full if full.any() else np.arange(groups) == 0).astype(np.int32)
+    if dist == "padded":
+        return spread(total - total // 8, np.ones(groups, bool)).astype(np.int32)
+    raise ValueError(f"--dists: unknown distribution {dist!r} (balanced, skewed, empty, padded)")
+
+
+def operands(groups, rows, n, k, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    m = groups * rows
+    x = jax.random.normal(keys[0], (m, k), dtype)
+    w = (jax.random.normal(keys[1], (groups, k, n), jnp.float32) * k**-0.5).astype(dtype)
+    dy = jax.random.normal(keys[2], (m, n), dtype)
+    return x, w, dy
+
+
+def fwd_and_bwd(fn):
+    """jit'ed forward, and forward + backward returning (y, dx, dw), of fn(x, w, group_sizes)."""
+    def both(x, w, gs, dy):
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, gs), x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(fn), jax.jit(both)
+
+
+def per_group_dot(x, w, sizes):
+    """The reference for --check with host-known sizes: one f32-accumulated jnp.dot per group, zeros for padding."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    parts = [jnp.dot(x[s:e], w[g], preferred_element_type=jnp.float32) for g, (s, e) in
+             enumerate(zip(starts[:-1], starts[1:])) if e > s]
+    parts.append(jnp.zeros((x.shape[0] - starts[-1], w.shape[2]), jnp.float32))
+    return jnp.concatenate(parts).astype(x.dtype)
+
+
+def tflops(flop, seconds):
+    return flop / seconds / 1e12
