@@ -77,7 +77,7 @@ class Attention(nnx.Module):
         written at `positions` (consecutive per row) and the queries attend to every cached position up to theirs."""
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in self.project_qkv(x, positions))
         if cache is not None:
-            cache = {"k": _write(cache["k"], k, positions[:, 0]), "v": _write(cache["v"], v, positions[:, 0])}
+            cache = {"k": write_cache(cache["k"], k, positions[:, 0]), "v": write_cache(cache["v"], v, positions[:, 0])}
             out = cached_attention(q, cache["k"], cache["v"], positions, self.cfg.window_size)  # [B, T, N, H]
             return self.o_proj(out), cache
         out = self.core_attention(q, k, v, causal=True, sliding_window=self.cfg.window_size,
@@ -86,5 +86,13 @@ class Attention(nnx.Module):
         return checkpoint_name(self.o_proj(out), "attn_out"), None
 
 
-def _write(cache, new, start):  # cache [B, S, K, H], new [B, T, K, H], start [B]
-    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(cache, new, start)
+def write_cache(cache, new, start):
+    """cache [B, S, ...] with new [B, T, ...] written at rows start [B] .. start + T of each batch row."""
+    rest = (0,) * (cache.ndim - 2)
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, *rest)))(cache, new, start)
+
+
+def kv_cache_shapes(cfg, batch: int, max_len: int) -> dict:
+    """The decoding cache of one attention layer: keys and values per position and KV head."""
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": shape, "v": shape}

@@ -12,15 +12,17 @@ scaled by YaRN's attention factor (mjax.model.rope). RoPE is mjax's half-split l
 of checkpoints that rotate interleaved pairs (mjax/convert/deepseek.py), which leaves q k^T unchanged.
 
 Keys and values are expanded per head before attention, so attention goes through the injected core attention
-(context parallelism's, or dot_product_attention) like any other: its Q/K head dim is dn + dr, V's dv.
+(context parallelism's, or dot_product_attention) like any other: its Q/K head dim is dn + dr, V's dv. Decoding
+caches the latent and the RoPE key only and absorbs kv_up into the query and the output (_decode).
 """
 
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from mjax.kernels.attention import dot_product_attention
+from mjax.kernels.attention import cached_attention, dot_product_attention
 from mjax.kernels.qkv_rope_grad.reference import rotate
+from mjax.model.attention import write_cache
 from mjax.model.layers import Linear, RMSNorm, output_std
 from mjax.model.rope import rope_cos_sin, rope_frequencies, yarn_attention_factor, yarn_softmax_factor
 from mjax.sharding import constrain
@@ -55,34 +57,48 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear((n, dv), (d,), in_axes=("heads", "head_dim"), out_axes=("embed",),
                              **dict(common, std=output_std(cfg)))
 
-    def project_qkv(self, x, positions):
-        """x [B, T, D] -> q, k [B, T, N, dn + dr] (RoPE applied, q carrying YaRN's softmax factor), v [B, T, N, dv].
-        The up projections' outputs are named "mla_up" for --remat_save_names."""
+    def _queries(self, x, positions):
+        """x [B, T, D] -> q [B, T, N, dn + dr]: RoPE on its last dr dims, YaRN's softmax factor folded in (the core
+        attention scales by 1 / sqrt(dn + dr))."""
         cfg = self.cfg
-        b, t, _ = x.shape
-        n, c, dn, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim
+        dn = cfg.qk_head_dim
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)  # [B, T, N, dn + dr]
         else:
             q = self.q_up_proj(self.q_norm(self.q_down_proj(x)))  # [B, T, Rq] -> [B, T, N, dn + dr]
         q = checkpoint_name(constrain(q, HEADS), "mla_up")
+        cos, sin = rope_cos_sin(positions, rope_frequencies(cfg, cfg.qk_pos_emb_head_dim))  # [B, T, dr / 2]
+        q_rope = rotate(q[..., dn:], cos, sin) * jnp.asarray(yarn_attention_factor(cfg), q.dtype)  # [B, T, N, dr]
+        return jnp.concatenate([q[..., :dn], q_rope], axis=-1) * jnp.asarray(yarn_softmax_factor(cfg), q.dtype)
+
+    def _latent(self, x, positions):
+        """x [B, T, D] -> (the normalised KV latent [B, T, c], the one RoPE key of all heads [B, T, dr])."""
+        cfg = self.cfg
+        c = cfg.kv_lora_rank
         latent = self.kv_down_proj(x)  # [B, T, c + dr]
-        kv = checkpoint_name(constrain(self.kv_up_proj(self.kv_norm(latent[..., :c])), HEADS),
-                             "mla_up")  # [B, T, c] -> [B, T, N, dn + dv]
-        cos, sin = rope_cos_sin(positions, rope_frequencies(cfg, dr))  # [B, T, dr / 2]
-        factor = yarn_attention_factor(cfg)
-        q_rope = rotate(q[..., dn:], cos, sin) * jnp.asarray(factor, q.dtype)  # [B, T, N, dr]
-        k_rope = rotate(latent[:, :, None, c:], cos, sin) * jnp.asarray(factor, latent.dtype)  # [B, T, 1, dr]
-        # The core attention scales by 1 / sqrt(dn + dr); YaRN's extra softmax factor rides on q.
-        q = jnp.concatenate([q[..., :dn], q_rope], axis=-1) * jnp.asarray(yarn_softmax_factor(cfg), q.dtype)
-        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope, (b, t, n, dr))], axis=-1)  # [B, T, N, dn + dr]
+        cos, sin = rope_cos_sin(positions, rope_frequencies(cfg, cfg.qk_pos_emb_head_dim))
+        k_rope = rotate(latent[:, :, None, c:], cos, sin)[:, :, 0]  # [B, T, 1, dr] -> [B, T, dr]
+        return self.kv_norm(latent[..., :c]), k_rope * jnp.asarray(yarn_attention_factor(cfg), latent.dtype)
+
+    def project_qkv(self, x, positions):
+        """x [B, T, D] -> q, k [B, T, N, dn + dr] (RoPE applied, q carrying YaRN's softmax factor), v [B, T, N, dv].
+        The up projections' outputs are named "mla_up" for --remat_save_names."""
+        b, t, _ = x.shape
+        n, dn, dr = self.cfg.num_attention_heads, self.cfg.qk_head_dim, self.cfg.qk_pos_emb_head_dim
+        q = self._queries(x, positions)
+        latent, k_rope = self._latent(x, positions)
+        kv = checkpoint_name(constrain(self.kv_up_proj(latent), HEADS), "mla_up")  # [B, T, c] -> [B, T, N, dn + dv]
+        k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, n, dr))],
+                            axis=-1)  # [B, T, N, dn + dr]
         return constrain(q, HEADS), constrain(k, HEADS), constrain(kv[..., dn:], HEADS)
 
     def __call__(self, x, positions, segment_ids=None, cache=None):
-        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns (out [B, T, D], None)."""
+        """x: [B, T, D]; positions, segment_ids: [B, T]. Returns (out [B, T, D], the updated cache or None).
+
+        cache (decoding): {"latent" [B, S, c], "k_rope" [B, S, dr]}, position s at index s: the compressed latent,
+        not per-head keys and values (mla_cache_shapes)."""
         if cache is not None:
-            raise ValueError("decoding with a KV cache (mjax.inference) does not support --multi_latent_attention "
-                             "yet; run the model on whole sequences")
+            return self._decode(x, positions, cache)
         q, k, v = self.project_qkv(x, positions)
         dv, dqk = v.shape[-1], q.shape[-1]
         # The attention kernels take one head dim for Q, K and V: V is zero-padded to Q/K's (192 for 128 in
@@ -94,3 +110,25 @@ class MLAttention(nnx.Module):
         out = checkpoint_name(constrain(out[..., :dv], HEADS), "attn_context")  # [B, T, N, dv]
         return checkpoint_name(self.o_proj(out), "attn_out"), None
 
+    def _decode(self, x, positions, cache):
+        """Attention over the cached latents with the up projection absorbed (DeepSeek-V2 section 2.1.2): with
+        W_uk, W_uv the key and value halves of kv_up, q_h . k_h = (q_h W_uk^T) . c + q_rope_h . k_rope and
+        sum_s p_s v_s = (sum_s p_s c_s) W_uv, so every head attends to one shared [c + dr] key and [c] value."""
+        cfg = self.cfg
+        dn, dr = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim
+        latent, k_rope = self._latent(x, positions)
+        cache = {"latent": write_cache(cache["latent"], latent, positions[:, 0]),
+                 "k_rope": write_cache(cache["k_rope"], k_rope, positions[:, 0])}
+        q = self._queries(x, positions)  # [B, T, N, dn + dr]
+        w = self.kv_up_proj.kernel[...].astype(q.dtype)  # [c, N, dn + dv]
+        q_latent = jnp.einsum("btnd,cnd->btnc", q[..., :dn], w[..., :dn])  # [B, T, N, c]
+        keys = jnp.concatenate([cache["latent"], cache["k_rope"]], axis=-1)[:, :, None]  # [B, S, 1, c + dr]
+        out = cached_attention(jnp.concatenate([q_latent, q[..., dn:]], axis=-1), keys, cache["latent"][:, :, None],
+                               positions, cfg.window_size, scale=(dn + dr) ** -0.5)  # [B, T, N, c]
+        return self.o_proj(jnp.einsum("btnc,cnv->btnv", out, w[..., dn:])), cache  # [B, T, N, dv] -> [B, T, D]
+
+
+def mla_cache_shapes(cfg, batch: int, max_len: int) -> dict:
+    """The decoding cache of one MLA layer: the latent and the RoPE key per position (c + dr numbers, where
+    per-head keys and values would take N (dn + dr + dv))."""
+    return {"latent": (batch, max_len, cfg.kv_lora_rank), "k_rope": (batch, max_len, cfg.qk_pos_emb_head_dim)}

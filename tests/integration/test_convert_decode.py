@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=["mistral_swa", "gpt2"])  # window + GQA; learned positions + biases
+# window + GQA; learned positions + biases; MLA with q LoRA, YaRN and MoE (V3) and without q LoRA (V2)
+@pytest.fixture(scope="module", params=["mistral_swa", "gpt2", "deepseek_v3", "deepseek_v2"])
 def loaded(request):
     model, cfg = load_pretrained(FIXTURES / request.param)
     return model, cfg, jnp.asarray(reference(request.param)["tokens"])
@@ -32,7 +33,7 @@ def test_cached_decoding_equals_full_forward(loaded):
     b, t = tokens.shape
     full = model.model_def.apply(model.params, tokens)  # [B, T, Vp]
     cache = init_cache(cfg.model, b, t + 3)
-    prompt = 10  # a prefill longer than Mistral's window of 8, then one token per step
+    prompt = min(10, t - 2)  # a prefill longer than Mistral's window of 8, then one token per step
     positions = jnp.broadcast_to(jnp.arange(prompt), (b, prompt))
     step = jax.jit(forward_with_cache, static_argnums=0)
     logits, cache = step(model.model_def, model.params, tokens[:, :prompt], positions, cache)
@@ -53,6 +54,24 @@ def test_greedy_generation_matches_argmax_of_full_forward():
     np.testing.assert_array_equal(new, seq[:, 6:])
     top1 = generate(model.model_def, model.params, tokens[:, :6], 4, temperature=0.7, top_k=1, seed=5)
     np.testing.assert_array_equal(np.asarray(top1), new)  # sampling among the top 1 is greedy
+
+
+def test_mla_cache_holds_the_latent_not_per_head_keys():
+    model, cfg = load_pretrained(FIXTURES / "deepseek_v3")
+    m = cfg.model
+    cache = init_cache(m, 2, 16)
+    layers = {name: stack["latent"].shape[0] for name, stack in cache.items()}
+    assert sum(layers.values()) == m.num_layers
+    for stack in cache.values():
+        assert set(stack) == {"latent", "k_rope"}
+        assert stack["latent"].shape[1:] == (2, 16, m.kv_lora_rank)
+        assert stack["k_rope"].shape[1:] == (2, 16, m.qk_pos_emb_head_dim)
+    tokens = jnp.asarray(reference("deepseek_v3")["tokens"])[:1, :5]
+    new = np.asarray(generate(model.model_def, model.params, tokens, 3))
+    seq = np.asarray(tokens)
+    for _ in range(3):
+        seq = np.concatenate([seq, np.argmax(np.asarray(model(seq))[:, -1], -1)[:, None]], 1)
+    np.testing.assert_array_equal(new, seq[:, 5:])
 
 
 def test_generation_beyond_learned_positions_is_refused():

@@ -80,18 +80,20 @@ def reference_attention_backward(q, k, v, out, lse, do, *, causal=True, sliding_
     return dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def cached_attention(q, k_cache, v_cache, positions, sliding_window=None):
-    """Decoding attention: q [B, T, N, H] at `positions` [B, T] over caches [B, S, K, H] that hold position s at
-    index s (later slots not yet written) -> [B, T, N, H]. Causal, with an optional left sliding window."""
+def cached_attention(q, k_cache, v_cache, positions, sliding_window=None, scale=None):
+    """Decoding attention: q [B, T, N, H] at `positions` [B, T] over caches k [B, S, K, H] and v [B, S, K, Hv] that
+    hold position s at index s (later slots not yet written) -> [B, T, N, Hv]. Causal, with an optional left
+    sliding window; logits scaled by `scale` (default H^-0.5)."""
     b, t, n, h = q.shape
-    kh = k_cache.shape[2]
+    kh, hv = k_cache.shape[2], v_cache.shape[3]
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * h**-0.5
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    logits = logits * (h**-0.5 if scale is None else scale)
     kv_pos = jnp.arange(k_cache.shape[1])
     mask = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:
         mask &= positions[:, :, None] - kv_pos[None, None, :] < sliding_window
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache.astype(jnp.float32))
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache.astype(jnp.float32))  # [B, T, K, G, Hv]
+    return out.reshape(b, t, n, hv).astype(q.dtype)
