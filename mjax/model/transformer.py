@@ -198,11 +198,14 @@ class CausalLM(nnx.Module):
         x, stats, cache = self.run_layers(x, positions, segment_ids, moe_keys, cache)
         return self.final_norm(x), stats, cache
 
-    def mtp_hidden_states(self, h, mtp_inputs, mtp_positions, positions, segment_ids=None, moe_keys=None):
-        """Multi-token prediction (mjax/model/mtp.py) after `forward`: h [B, T, D] its final-norm output, mtp_inputs
-        and mtp_positions [D, B, T] the tokens k ahead (and their positions) for depths k = 1..D, positions [B, T] the
-        model's -> (each depth's output [D, B, T, D] for the output layer, MoE stats stacked [D, ...] or None)."""
-        embeddings = jnp.stack([self.embed_tokens(ids, pos) for ids, pos in zip(mtp_inputs, mtp_positions)])
+    def mtp_embeddings(self, mtp_inputs, mtp_positions):
+        """The tokens k ahead [D, B, T] (and their positions) of depths k = 1..D -> their embeddings [D, B, T, D]."""
+        return jnp.stack([self.embed_tokens(ids, pos) for ids, pos in zip(mtp_inputs, mtp_positions)])
+
+    def mtp_hidden_states(self, h, embeddings, positions, segment_ids=None, moe_keys=None):
+        """Multi-token prediction (mjax/model/mtp.py) after `forward`: h [B, T, D] its final-norm output, embeddings
+        [D, B, T, D] mtp_embeddings', positions [B, T] the model's -> (each depth's output [D, B, T, D] for the
+        output layer, MoE stats stacked [D, ...] or None)."""
         return self.mtp(h, embeddings, positions, segment_ids, self.runner, moe_keys)
 
     def hidden_states(self, tokens, positions=None, segment_ids=None):

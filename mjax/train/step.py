@@ -57,7 +57,7 @@ def make_train_step(model, cfg, tx, schedule):
         objective = total * scale / denom
         sums = {}
         if depth:  # multi-token prediction (train/mtp.py); its MoE blocks' stats join the model's
-            depth_sums, mtp_stats = mtp.loss_sums(module, h, micro, cfg, use_segments, mtp_keys)
+            depth_sums, mtp_stats = mtp.loss_sums(module, h, micro, cfg, use_segments, moe_keys=mtp_keys)
             objective = objective + scale * mtp.objective(depth_sums, mtp_denoms, cfg.model)
             sums["mtp_loss_sums"] = jax.lax.stop_gradient(depth_sums)
             if mtp_stats is not None:
