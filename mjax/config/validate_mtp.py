@@ -12,10 +12,6 @@ def validate_mtp(cfg) -> None:
     depth = m.mtp_depth
     if not depth:
         return
-    if p.pp > 1:
-        raise ConfigError(f"--mtp_num_layers={depth} with --pp={p.pp}: the multi-token prediction layers run after the "
-                          "last layer, and mjax's pipeline stages do not run them; use --pp=1 or unset "
-                          "--mtp_num_layers")
     seq = cfg.train.seq_length
     if seq <= depth:
         raise ConfigError(f"--mtp_num_layers={depth} needs --seq_length > {depth}: depth k predicts the token k + 1 "

@@ -1,5 +1,5 @@
-"""Pieces shared by the pipeline schedules: the per-tick shard_map, what a stage does with one micro-batch, the
-activation hand-off between neighbouring stages, and the output layer run after a GPipe-order pipeline.
+"""Pieces shared by the pipeline schedules: the per-tick shard_map, what a stage does with one micro-batch and the
+activation hand-off between neighbouring stages (the output layer and loss: pipeline_head.py).
 
 The scan over ticks runs under GSPMD and only each tick's stage work is a shard_map, manual over `pipeline`. The
 embedding lookup stays outside it: XLA's SPMD partitioner aborts (spmd_partitioner_util.cc "Check failed:
@@ -138,12 +138,6 @@ def stored_order_sums(sums: dict, pp: int, vpp: int = 1) -> dict:
     return {k: one(v) for k, v in sums.items()}
 
 
-def head(model, token_loss, rest: dict, y, micro: dict, fp8=None):
-    """The last layer's output [B, T, D] -> (loss sum, z sum) of the micro-batch."""
-    module = model.bind(rest, fp8)
-    return token_loss(module, module.final_norm(y), micro)
-
-
 def shift(x, pp: int, direction: int, circular: bool = False):
     """Inside shard_map: sends x from stage s to stage s + direction (the last stage wraps round to the first when
     `circular`); a stage nobody sends to receives zeros."""
@@ -156,54 +150,6 @@ def shift(x, pp: int, direction: int, circular: bool = False):
 def per_stage_zeros(pp: int, like, *lead: int, dtype=None):
     """Zeros [pp, *lead, *like.shape]: one slice per pipeline device (sharded over `pipeline` by the shard_maps)."""
     return jnp.zeros((pp, *lead, *like.shape), dtype or like.dtype)
-
-
-def _grouped(x, pp: int):
-    """[M, ...] -> [ceil(M / pp), pp, ...], zero-padded (the padding has a zero loss mask)."""
-    groups = -(-x.shape[0] // pp)
-    x = jnp.pad(x, [(0, groups * pp - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(groups, pp, *x.shape[1:])
-
-
-def head_sums(model, token_loss, rest: dict, hs, batch: dict, pp: int):
-    """The summed token_loss pair of the finished micro-batches hs [M, B, T, D] (forward only, under GSPMD), the
-    micro-batches split over the pipeline devices as in head_loss."""
-    per_device = jax.vmap(lambda y, b: head(model, token_loss, rest, y, b), spmd_axis_name=AXIS)
-    firsts, seconds = jax.lax.map(lambda xs: per_device(*xs), (_grouped(hs, pp), jax.tree.map(
-        lambda a: _grouped(a, pp), batch)))
-    return jnp.sum(firsts), jnp.sum(seconds)
-
-
-def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
-    """(weight x loss sum, (loss sum, z sum)) of the finished micro-batches hs [M, B, T, D], under GSPMD.
-
-    The output layer runs once per micro-batch rather than at every tick, with the micro-batches split over the
-    pipeline devices (vmap with spmd_axis_name), each device handling ceil(M / pp). Its gradient is computed in the
-    forward pass and kept (custom_vjp), so the logits are neither stored for every micro-batch nor recomputed."""
-    micro = jax.tree.map(lambda a: _grouped(a, pp), batch)
-    one = jax.value_and_grad(lambda r, y, b: head(model, token_loss, r, y, b), argnums=(0, 1), has_aux=True)
-    per_device = jax.vmap(one, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
-
-    def forward(rest, hs):
-        def group(acc, xs):
-            (total, z), (d_rest, d_h) = per_device(rest, *xs)  # d_rest: [pp, ...], one partial sum per device
-            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, d_rest), (total, z, d_h)
-
-        acc = jax.tree.map(lambda p: jnp.zeros((pp, *p.shape), jnp.float32), rest)
-        acc, (totals, zs, d_hs) = jax.lax.scan(group, acc, (_grouped(hs, pp), micro))
-        d_rest = jax.tree.map(lambda a: a.sum(0), acc)
-        d_hs = d_hs.reshape(-1, *hs.shape[1:])[:hs.shape[0]]  # [M, B, T, D]
-        loss_sum = jnp.sum(totals)
-        return (loss_sum * weight, (loss_sum, jnp.sum(zs))), (d_rest, d_hs)
-
-    def backward(res, cotangents):
-        d_rest, d_hs = res
-        g = cotangents[0] * weight
-        return (jax.tree.map(lambda d, p: (g * d).astype(p.dtype), d_rest, rest), (g * d_hs).astype(hs.dtype))
-
-    loss = jax.custom_vjp(lambda r, h: forward(r, h)[0])
-    loss.defvjp(forward, backward)
-    return loss(rest, hs)
 
 
 def interleave_tables(pp: int, vpp: int):

@@ -189,7 +189,6 @@ def test_the_context_parallel_order_shifts_the_same_tokens(cp):
 # ---- config errors ----
 
 @pytest.mark.parametrize("change, flags", [
-    (dict(parallel=dict(pp=2)), ("--mtp_num_layers", "--pp")),
     (dict(model=dict(MODEL, mtp_num_layers=-1)), ("--mtp_num_layers",)),
     (dict(model=dict(MODEL, mtp_loss_scaling_factor=-0.1)), ("--mtp_loss_scaling_factor",)),
     (dict(model=dict(MODEL, mtp_num_layers=4), train=dict(seq_length=4)), ("--mtp_num_layers", "--seq_length")),
