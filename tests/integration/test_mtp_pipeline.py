@@ -22,7 +22,7 @@ V3 = dict(num_layers=4, num_query_groups=None, multi_latent_attention=True, q_lo
 # layout: (parallel, micro-batch size per data shard). Dense: 16 sequences, 2 micro-batches of 8 over the data shards.
 DENSE_LAYOUTS = {
     "gpipe_pp2_fsdp2_tp2_sp": (dict(pp=2, fsdp=2, tp=2, sequence_parallel=True, pipeline_schedule="gpipe"), 4),
-    "1f1b_pp2_dp2_tp2": (dict(pp=2, tp=2), 4),
+    "1f1b_pp2_dp2_tp2_layout": (dict(pp=2, tp=2, pipeline_model_parallel_layout="Ett|ttmL"), 4),  # Megatron's m
     "interleaved_pp2_vpp2_dp4": (dict(pp=2, vpp=2, pipeline_schedule="interleaved"), 2),
     "interleaved_1f1b_pp2_vpp2_dp2_tp2": (dict(pp=2, vpp=2, tp=2), 4),
     "zero_bubble_pp2_dp4": (dict(pp=2, pipeline_schedule="zero_bubble"), 2),

@@ -43,6 +43,7 @@ SPLITS = [  # (flags, num_layers, layers of each virtual stage v = c pp + s), co
     (dict(pp=4, pipeline_model_parallel_layout="E|ttt|tttt|L"), 7, (0, 3, 4, 0)),
     (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Et|tt|tt|ttL"), 7, (1, 2, 2, 2)),
     (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Ett|ttt||tL"), 6, (2, 3, 0, 1)),
+    (dict(pp=2, pipeline_model_parallel_layout="Ettt|tmmL"), 4, (3, 1)),  # the m's (MTP depths) hold no layer
 ]
 
 
@@ -103,7 +104,9 @@ ERRORS = [
      "--model.num_layers=6 \\+ 1 = 7 is not divisible by --pp=2"),
     (dict(pp=3), 4, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
     (dict(pp=2, pipeline_model_parallel_layout="E|tx|L"), 2, "cannot read 'x'"),
-    (dict(pp=2, pipeline_model_parallel_layout="Et|mL"), 1, "multi-token-prediction"),
+    # Megatron may put the MTP depths in a stage of their own; mjax runs them with the loss
+    (dict(pp=2, pipeline_model_parallel_layout="Etm|tL"), 2, "the multi-token-prediction depths m run where the loss"),
+    (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Et|t|t|mtL"), 4, "go together at the end of the last stage"),
     (dict(pp=2, pipeline_model_parallel_layout="E(tt|ttL"), 4, "cannot read '\\('.*repeat count"),
     (dict(pp=2, pipeline_model_parallel_layout="Et|t|tL"), 3, "has 3 stages, not a multiple of --pp=2"),
     (dict(pp=2, pipeline_model_parallel_layout="Et|tt|tt|ttL"), 7, "= --pp=2 x 2 virtual stages per device; set "
