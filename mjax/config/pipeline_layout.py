@@ -45,11 +45,6 @@ class StageLayout:
     def even(self) -> bool:
         return len(set(self.counts)) == 1
 
-    @property
-    def slots(self) -> int:
-        """Layer slots per virtual stage: every stage runs as many as the longest (SPMD), the extra ones masked."""
-        return max(self.counts)
-
     def first_layer(self, v: int) -> int:
         return sum(self.counts[:v])
 

@@ -130,17 +130,19 @@ class CausalLM(nnx.Module):
                 x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
             return constrain(x, RESIDUAL)
 
-    def run_layers(self, x, positions, segment_ids, moe_keys=None, cache=None):
+    def run_layers(self, x, positions, segment_ids, moe_keys=None, cache=None, pattern=None):
         """The stacked blocks over x [B, T, D] -> (x, MoE stats: each key stacked [MoE layers run, ...], {} without
         MoE layers; the updated KV cache or None). A pipeline stage binds only its own slices of the stacks, so the
-        layers run are the leading dims of the bound stacks, in the kinds' order of the model's first layers (a
-        stage's pattern is the first stage's, which validation ensures). `moe_keys` [MoE layers run]: router noise
-        keys (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
+        layers run are the leading dims of the bound stacks, in the order `pattern` gives their kinds (True: MoE;
+        default: the model's first layers'). `moe_keys` [MoE layers run]: router noise keys
+        (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
         decoding (mjax.inference)."""
         cfg = self.cfg
         split = {name: nnx.split(getattr(self, name)) for name in STACKS if hasattr(self, name)}
         counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}
-        segments = self._layer_segments(cfg.moe_layer_pattern()[:sum(counts.values())])
+        if pattern is None:
+            pattern = cfg.moe_layer_pattern()[:sum(counts.values())]
+        segments = self._layer_segments(pattern)
 
         def pieces(tree, name):  # a stacked tree's slices, one per segment of stack `name` (None: no tree)
             sizes = [b - a for s, a, b, _ in segments if s == name]

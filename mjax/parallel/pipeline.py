@@ -65,7 +65,7 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, spec: Head, weights: 
     micro-batches, measured bubble, the stages' MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
-    plan = uneven_placement(model, pcfg)
+    plan = placement(model, pcfg)
     if pipeline_schedule(pcfg) == "zero_bubble":
         grads, amaxes, head_out, bubble, moe_sums = pipeline_zero_bubble.run(
             model, spec, use_segments, pp, stacks, rest, batch, weights)
@@ -91,11 +91,13 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, spec: Head, weights: 
     return grads, amaxes, head_out, bubble, moe_sums
 
 
-def uneven_placement(model, pcfg):
-    """The Placement of the configured stage layout when its stages differ in length (pipeline_placement.py), or
-    None when every stage holds the same layers (each device's stored block, or Megatron's interleaved chunks)."""
-    layout = stage_layout(pcfg, model.cfg.num_layers)
-    return None if layout.even else pipeline_placement.placement(layout, tuple(model.cfg.moe_layer_pattern()))
+def placement(model, pcfg):
+    """The Placement of the configured stage layout when its stages differ in length or in dense/MoE pattern
+    (pipeline_placement.py), or None when every stage holds alike layers (each device's stored block, or Megatron's
+    interleaved chunks)."""
+    layout, pattern = stage_layout(pcfg, model.cfg.num_layers), tuple(model.cfg.moe_layer_pattern())
+    return pipeline_placement.placement(layout, pattern) if pipeline_placement.needs_placement(layout, pattern) \
+        else None
 
 
 def loss_sums(model, pcfg, params: dict, batch: dict, spec: Head, use_segments: bool):
@@ -111,7 +113,7 @@ def loss_sums(model, pcfg, params: dict, batch: dict, spec: Head, use_segments: 
     # [B, T] -> [M, B / M, T]: row i of micro-batch m is sample i M + m, so no sample changes device.
     micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(size // num, num, *a.shape[1:]), 0, 1), batch)
     stacks, rest = split_params(params)
-    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro, uneven_placement(model, pcfg))[0]
+    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro, placement(model, pcfg))[0]
     return head_sums(model, spec, rest, outputs, micro, pcfg.pp)
 
 
@@ -119,7 +121,7 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
     """Runs the M micro-batches through the pp x vpp virtual stages in GPipe order. Returns the last virtual stage's
     outputs [M, B, T, D], the number of (device, tick) slots that did useful work, the MoE objective terms summed
     over stages and micro-batches, and the MoE sums per device [pp, ...] ({} without MoE layers). plan: the
-    Placement of uneven stages, or None."""
+    Placement of stages that differ (pipeline_placement.py), or None."""
     num = batch["inputs"].shape[0]
     if plan is not None:
         layers = pipeline_placement.to_devices(plan, layers, pipeline_placement.stored_dims(model, layers, {})[0])
@@ -128,7 +130,8 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
     x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
     carry = {"received": per_stage_zeros(pp, x), "outputs": per_stage_zeros(pp, x, num),  # [pp, (M,) B, T, D]
              "busy": jnp.zeros((pp,), jnp.int32), "moe_obj": jnp.zeros((pp,), jnp.float32),
-             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, vpp=vpp)}
+             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, vpp=vpp,
+                                       kinds=None if plan is None else plan.kinds)}
     if vpp > 1:  # device 0 keeps what the last device finished until its next round starts
         carry["circulating"] = per_stage_zeros(pp, x, num)
 
@@ -142,9 +145,8 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
         if vpp > 1:
             first = jnp.where(r == 0, first, c["circulating"][m])
         x = jnp.where(s == 0, first, c["received"])
-        real = None if plan is None else plan.real_of(s, r)
         y, obj, sums = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments,
-                                  real=real)
+                                  slots=None if plan is None else plan.slots_of(s, r))
         c["moe_obj"] += jnp.where(valid, obj, 0.0)
         c["moe_sums"] = jax.tree.map(lambda a, b: _add_at_chunk(a, jnp.where(valid, b, 0.0), r), c["moe_sums"], sums)
         done = valid & (s == pp - 1) & (r == vpp - 1)

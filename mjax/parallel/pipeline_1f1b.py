@@ -30,7 +30,7 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
     """Gradients of the head's terms (spec: a pipeline_head.Head) of the micro-batches in `batch` ([M, B, T] arrays),
     each times its weight in `weights`, plus moe_weight x the MoE layers' objective terms. layers: the stacked
     layers {"layers": [L, ...], "moe_layers": ...} (sharded over `pipeline` in stored order); rest: the other params;
-    fp8: the FP8 scales of both ({} without FP8 layers). plan: the Placement of uneven stages
+    fp8: the FP8 scales of both ({} without FP8 layers). plan: the Placement of stages that differ
     (pipeline_placement.py), or None. Returns (grads, the FP8 amaxes observed (max over micro-batches), the head's
     (terms, sums) summed, the counted bubble, the MoE sums per device [pp, ...] in the order each device runs its
     layers ({} without MoE layers))."""
@@ -38,7 +38,7 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
     tables = one_f_one_b(pp, vpp, num)
     fp8_layers, fp8_rest = fp8
     chunked, to_stored = (layers, fp8_layers), None
-    if plan is not None:  # uneven stages: each device's slots; the vjp takes gradients and amaxes back
+    if plan is not None:  # stages that differ: each device's slots; the vjp takes gradients and amaxes back
         dims = pipeline_placement.stored_dims(model, layers, fp8_layers)
         chunked, to_stored = jax.vjp(lambda t: tuple(pipeline_placement.to_devices(plan, a, d) for a, d in zip(t, dims)),
                                      chunked)
@@ -54,7 +54,8 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
              "stash": per_stage_zeros(pp, x, tables.stash),  # [pp, slots, B, T, D]
              "d_head": f32(rest, pp), "amax_head": f32(fp8_rest, pp),
              "head": sums_like(model, spec, rest, x, micro_at(batch, 0), pp, fp8_rest),  # [pp, ...]
-             "moe_sums": moe_sums_like(model, chunked[0], pp, x, micro_at(batch, 0), use_segments, chunked[1], vpp)}
+             "moe_sums": moe_sums_like(model, chunked[0], pp, x, micro_at(batch, 0), use_segments, chunked[1], vpp,
+                                       None if plan is None else plan.kinds)}
 
     def chunk_of(tree, c):  # this device's layers [vpp Lv, ...] -> chunk c's [Lv, ...]
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * (a.shape[0] // vpp), a.shape[0] // vpp),
@@ -73,8 +74,8 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
         slot = jnp.maximum(row["f_stash"], 0)
         c["stash"] = c["stash"].at[slot].set(jnp.where(valid, x, c["stash"][slot]))
         layers, scales = chunk_of(stacks, chunk)
-        real = None if plan is None else plan.real_of(s, chunk)
-        c["f_arriving"] = shift(run_layers(model, layers, x, micro, use_segments, scales, real)[0], pp, +1,
+        slots = None if plan is None else plan.slots_of(s, chunk)
+        c["f_arriving"] = shift(run_layers(model, layers, x, micro, use_segments, scales, slots)[0], pp, +1,
                                 circular=vpp > 1)
 
     def backward(s, c, d_stacks, stacks, rest, fp8_rest, looked_up, row, batch, weights, moe_weight):
@@ -91,10 +92,10 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
 
         add_at_chunk, max_at_chunk = at_chunk(jnp.add), at_chunk(jnp.maximum)  # gradients and counts; amaxes
 
-        real = None if plan is None else plan.real_of(s, chunk)
+        slots = None if plan is None else plan.slots_of(s, chunk)
 
         def stage_fn(stack, x):  # ((y, MoE objective terms), MoE sums); the scales' cotangent is their amax
-            y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1], real)
+            y, obj, sums = run_layers(model, stack[0], x, micro, use_segments, stack[1], slots)
             return (y, obj), sums
 
         (y, obj), stage_vjp, sums = jax.vjp(stage_fn, chunk_of(stacks, chunk),
@@ -114,7 +115,7 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
 
         d_layers, amaxes = d_stacks
         amax_block = jax.tree.map(lambda d: jnp.where(valid, d, 0.0), amax_block)  # idle slots observe nothing
-        if plan is not None:  # nor do the masked layer slots of a shorter stage
+        if plan is not None:  # nor do the slots a stage skips
             amax_block = {name: jax.tree.map(lambda d, m=plan.slot_is_layer(name, s, chunk): jnp.where(
                 m.reshape(-1, *[1] * (d.ndim - 1)), d, 0.0), tree) for name, tree in amax_block.items()}
         return (jax.tree.map(add_at_chunk, d_layers, d_block), jax.tree.map(max_at_chunk, amaxes, amax_block)), dx, \

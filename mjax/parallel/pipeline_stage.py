@@ -59,49 +59,60 @@ def embed(model, rest: dict, micro: dict, fp8=None):
     return model.bind(rest, fp8).embed_tokens(micro["inputs"], positions(micro))
 
 
-def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool, fp8=None, real=None):
+def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool, fp8=None, slots=None):
     """A slice of the stacked layers (leading dims = their layer counts; `fp8` the same slice of their FP8 scales)
     over x [B, T, D] -> (y [B, T, D], the MoE objective terms of these layers (0 without MoE layers), their MoE step
-    sums ({} without)). real: [S] which of the slice's S layer slots hold a layer (uneven stages,
-    pipeline_placement.py): the others pass x through and add no MoE terms or sums; None: all of them."""
+    sums ({} without)). slots: (kinds, real) of a Placement (pipeline_placement.py): the S slots' kinds (MoE or
+    not) in the order they run, and [S] which of them hold a layer; the others pass x through, computing nothing,
+    and add no MoE terms or sums. None: the slice's layers are the model's first ones, all of them real."""
     segments = micro.get("segment_ids") if use_segments else None
     module = model.bind(stacks, fp8)
-    if real is not None:
+    kinds = None
+    if slots is not None:
+        kinds, real = slots
         module.runner = _masked_runner(module.runner, real)
-    y, stats, _ = module.run_layers(x, positions(micro), segments)
+    y, stats, _ = module.run_layers(x, positions(micro), segments, pattern=kinds)
     if not stats:
         return y, jnp.zeros((), jnp.float32), {}
-    if real is not None:
-        return (y, *_masked_moe_terms(stats, model.cfg, real))
+    if slots is not None:
+        return (y, *_masked_moe_terms(stats, model.cfg, *slots))
     counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)  # global_aux_loss: not with pp > 1
     terms, _, sums = moe_terms.objective(stats, model.cfg, counts, jnp.zeros((), jnp.int32))
     return y, terms.astype(jnp.float32), sums
 
 
 def _masked_runner(runner, real):
-    """The model's layer runner with each slot's output replaced by its input where real [S] says the slot holds no
-    layer; the model calls it for its runs of slots in order, so each call takes the next part of `real`."""
+    """The model's layer runner skipping the slots real [S] says hold no layer: a lax.cond on this device's own
+    predicate (the pipeline axis is manual, and a stage's peers on the other axes take the same branch), so a
+    skipped slot costs no compute, passes x through and gives zero MoE stats. The model calls the runner for its
+    runs of slots in order, so each call takes the next part of `real`."""
     taken = [0]
 
     def run(layer, x, xs, extra_names=()):
         n = jax.tree.leaves(xs)[0].shape[0]
         mask, taken[0] = real[taken[0]:taken[0] + n], taken[0] + n
 
+        def skip(x, one):
+            ys = jax.eval_shape(layer, x, one)[1]
+            return x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ys)
+
         def masked(x, xs_one):
             one, is_layer = xs_one
-            y, ys = layer(x, one)
-            return jnp.where(is_layer, y, x), ys
+            return jax.lax.cond(is_layer, layer, skip, x, one)
 
         return runner(masked, x, (xs, mask), extra_names)
 
     return run
 
 
-def _masked_moe_terms(stats: dict, model_cfg, real):
-    """(MoE objective terms, step sums) of the MoE slots among slots real [S] (slot j has the kind of the model's
-    layer j), each slot's terms computed alone and those of slots without a layer dropped."""
-    moe_slots = np.flatnonzero(model_cfg.moe_layer_pattern()[:real.shape[0]])
+def _masked_moe_terms(stats: dict, model_cfg, kinds, real):
+    """(MoE objective terms, step sums) of the MoE slots among slots of `kinds` (real [S]: which hold a layer), each
+    slot's terms computed alone and those of slots without a layer dropped."""
+    moe_slots = np.flatnonzero(kinds)
     is_layer = real[moe_slots]  # [MoE slots]
+    slot_mask = lambda v: is_layer.reshape(-1, *[1] * (v.ndim - 1))  # noqa: E731
+    # A skipped slot's stats are zeros (its tokens too): ones instead keep its dropped terms free of 0 / 0.
+    stats = jax.tree.map(lambda v: jnp.where(slot_mask(v), v, jnp.ones_like(v)), stats)
 
     def one(layer_stats):  # one MoE layer's stats -> (its terms, its sums)
         layer_stats = jax.tree.map(lambda a: a[None], layer_stats)
@@ -110,17 +121,20 @@ def _masked_moe_terms(stats: dict, model_cfg, real):
         return terms, sums
 
     terms, sums = jax.vmap(one)(stats)  # [MoE slots]; per-layer sums [MoE slots, 1, E]
-    keep = lambda v: jnp.where(is_layer.reshape(-1, *[1] * (v.ndim - 1)), v, 0)  # noqa: E731
+    keep = lambda v: jnp.where(slot_mask(v), v, 0)  # noqa: E731
     sums = {k: keep(v).sum(0) if v.ndim == 1 else keep(v).reshape(v.shape[0], *v.shape[2:]) for k, v in sums.items()}
     return jnp.sum(keep(terms)).astype(jnp.float32), sums
 
 
-def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool, fp8=None, vpp: int = 1):
+def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool, fp8=None, vpp: int = 1,
+                  kinds=None):
     """Zeros [pp, ...] shaped as one device's MoE step sums over its vpp chunks of 1 / (pp vpp) of each stack, or {}.
-    fp8: the stacks' FP8 scales, with FP8 layers."""
+    fp8: the stacks' FP8 scales, with FP8 layers; kinds: the slots' kinds of a Placement, None without one."""
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (pp * vpp), *a.shape[1:]), a.dtype),
                          (stacks, fp8))
-    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s[0], x, m, use_segments, s[1])[2], chunk, x, micro)
+    slots = None if kinds is None else (kinds, jnp.ones((len(kinds),), bool))
+    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s[0], x, m, use_segments, s[1], slots)[2], chunk, x,
+                          micro)
     return jax.tree.map(lambda a: jnp.zeros((pp, *((a.shape[0] * vpp, *a.shape[1:]) if a.ndim else ())),
                                             jnp.float32), sums)
 

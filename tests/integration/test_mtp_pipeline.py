@@ -1,7 +1,8 @@
 """Multi-token prediction under pipeline parallelism (8 CPU devices): the MTP depths run where the head runs (after a
 GPipe-order pipeline, or on the last stage inside the 1F1B and zero-bubble ticks), and every schedule gives the
-single-device losses, MTP losses and parameters; a V3-shaped model's MoE MTP block adds the same router metrics and
-moves its expert bias as on one device, with expert and tensor parallelism beside the pipeline."""
+single-device losses, MTP losses and parameters; a V3-shaped model (a dense first layer, MoE layers) with an MoE MTP
+block adds the same router metrics and moves its expert bias as on one device, with expert and tensor parallelism
+beside the pipeline."""
 
 import jax
 import numpy as np
@@ -13,10 +14,11 @@ pytestmark = pytest.mark.slow  # compiles a training step per layout
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 DENSE = dict(num_layers=4, mtp_num_layers=1)
-# tests/integration/test_mtp_train.py's V3 shape with every layer MoE (a dense first layer is refused under --pp > 1)
+# tests/integration/test_mtp_train.py's V3 shape: a dense first layer (stage 0 runs dense, MoE; the other MoE, MoE),
+# MoE layers and an MoE depth
 V3 = dict(num_layers=4, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
           qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=12, num_experts=4, moe_router_topk=2,
-          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_first_dense_layers=0,
+          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_first_dense_layers=1,
           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
           moe_aux_loss_coeff=0.01, mtp_num_layers=1)
 # layout: (parallel, micro-batch size per data shard). Dense: 16 sequences, 2 micro-batches of 8 over the data shards.
