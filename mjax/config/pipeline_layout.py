@@ -14,8 +14,10 @@ the output layer and loss on the last one; the flags below only move the transfo
                                           the embedding / the loss count as one layer: num_layers + 1 (+ 1) split
                                           evenly, then virtual stage 0 (the last one) holds one transformer layer less
   --pipeline_model_parallel_layout=S      Megatron's string: "|" ends a virtual stage, E the embedding, t a
-                                          transformer layer, L the loss, "(...)*n" and "x*n" repeat, "," is
-                                          cosmetic; stage i of the string is virtual stage i, so it has pp x vpp stages
+                                          transformer layer, m a multi-token-prediction depth, L the loss,
+                                          "(...)*n" and "x*n" repeat, "," is cosmetic; stage i of the string is
+                                          virtual stage i, so it has pp x vpp stages. The m's run with the loss, so
+                                          they sit in the last stage, before its L
 """
 
 import dataclasses
@@ -37,15 +39,11 @@ class StageLayout:
     pp: int
     vpp: int
     counts: tuple[int, ...]
+    mtp: int = 0  # the multi-token-prediction depths the layout string places (m), on the last virtual stage
 
     @property
     def even(self) -> bool:
         return len(set(self.counts)) == 1
-
-    @property
-    def slots(self) -> int:
-        """Layer slots per virtual stage: every stage runs as many as the longest (SPMD), the extra ones masked."""
-        return max(self.counts)
 
     def first_layer(self, v: int) -> int:
         return sum(self.counts[:v])
@@ -62,18 +60,17 @@ class StageLayout:
 
 
 def parse_layout(text: str) -> list[list[str]]:
-    """Megatron's layout string -> the items ("E", "t", "L") of each stage, in string order."""
+    """Megatron's layout string -> the items ("E", "t", "m", "L") of each stage, in string order."""
     expanded = text.replace(",", "")  # Megatron: commas are cosmetic
     while _REPEAT_GROUP.search(expanded):  # innermost groups first, so groups may nest
         expanded = _REPEAT_GROUP.sub(lambda g: g.group(1) * int(g.group(2)), expanded)
     expanded = _REPEAT_ONE.sub(lambda g: g.group(1) * int(g.group(2)), expanded)
-    bad = sorted(set(expanded) - set("EtL|"))
+    bad = sorted(set(expanded) - set("EtmL|"))
     if bad:
-        mtp = (" (m, a multi-token-prediction layer: mjax runs --mtp_num_layers with --pp=1 only, never in a "
-               "pipeline stage)" if "m" in bad else "")
         grouping = " (a group needs its repeat count: \"(tt|)*3\")" if {"(", ")", "*"} & set(bad) else ""
-        raise ConfigError(f"--{LAYOUT}={text!r}: cannot read {''.join(bad)!r}{mtp}{grouping}; use E (embedding), "
-                          "t (transformer layer), L (loss), | (stage boundary), (...)*n and x*n (repeats)")
+        raise ConfigError(f"--{LAYOUT}={text!r}: cannot read {''.join(bad)!r}{grouping}; use E (embedding), "
+                          "t (transformer layer), m (multi-token-prediction depth), L (loss), | (stage boundary), "
+                          "(...)*n and x*n (repeats)")
     return [list(stage) for stage in expanded.split("|")]
 
 
@@ -166,4 +163,8 @@ def _from_layout(text, pp, vpp, num_layers) -> StageLayout:
     if items.count("t") != num_layers:
         raise ConfigError(f"--{LAYOUT}={text!r} places {items.count('t')} transformer layers (t), and "
                           f"--model.num_layers={num_layers}; make them agree")
-    return StageLayout(pp, vpp, tuple(stage.count("t") for stage in stages))
+    mtp = items.count("m")
+    if mtp and stages[-1][-1 - mtp:-1] != ["m"] * mtp:
+        raise ConfigError(f"--{LAYOUT}={text!r}: the multi-token-prediction depths m run where the loss runs, so they "
+                          "go together at the end of the last stage, just before its L (e.g. \"Ett|ttmL\")")
+    return StageLayout(pp, vpp, tuple(stage.count("t") for stage in stages), mtp)

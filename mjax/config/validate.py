@@ -163,13 +163,6 @@ def validate_moe(cfg: Config) -> None:
     if pr.fp8_recipe == "blockwise" and m.moe_ffn_hidden_size:  # the grouped GEMMs' N and K (linear layers pad)
         check_blockwise_dims({"--moe_ffn_hidden_size": m.moe_ffn_hidden_size})
     if p.pp > 1:
-        stages = stage_layout(p, m.num_layers)
-        if any(pattern[stages.first_layer(v) + j] != pattern[j] for v, n in enumerate(stages.counts)
-               for j in range(n)):
-            raise ConfigError(f"--pp={p.pp} x --vpp={p.vpp}: every pipeline stage runs one SPMD program, so the layers "
-                              f"of each (virtual) stage ({stages.describe()}) must follow the dense/MoE pattern of "
-                              f"the model's first layers; --moe_layer_freq={m.moe_layer_freq} with "
-                              f"--moe_first_dense_layers={m.moe_first_dense_layers} does not")
         if p.vpp > 1 and pipeline_schedule(p) != "interleaved_1f1b":
             raise ConfigError(f"--vpp={p.vpp} with MoE layers runs with --pipeline_schedule=interleaved_1f1b (what "
                               f"--vpp selects when the schedule is unset), not {pipeline_schedule(p)}")

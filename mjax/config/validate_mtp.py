@@ -1,6 +1,7 @@
 """Checks of --mtp_num_layers and --mtp_loss_scaling_factor (multi-token prediction: mjax/model/mtp.py)."""
 
 from mjax.config.base import ConfigError
+from mjax.config.pipeline_layout import stage_layout
 
 
 def validate_mtp(cfg) -> None:
@@ -10,12 +11,12 @@ def validate_mtp(cfg) -> None:
     if m.mtp_loss_scaling_factor < 0:
         raise ConfigError(f"--mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} must be >= 0")
     depth = m.mtp_depth
+    if p.pipeline_model_parallel_layout is not None and stage_layout(p, m.num_layers).mtp != depth:
+        raise ConfigError(f"--pipeline_model_parallel_layout={p.pipeline_model_parallel_layout!r} places "
+                          f"{stage_layout(p, m.num_layers).mtp} multi-token-prediction depths (m), and "
+                          f"--mtp_num_layers={m.mtp_num_layers}; make them agree (as Megatron does)")
     if not depth:
         return
-    if p.pp > 1:
-        raise ConfigError(f"--mtp_num_layers={depth} with --pp={p.pp}: the multi-token prediction layers run after the "
-                          "last layer, and mjax's pipeline stages do not run them; use --pp=1 or unset "
-                          "--mtp_num_layers")
     seq = cfg.train.seq_length
     if seq <= depth:
         raise ConfigError(f"--mtp_num_layers={depth} needs --seq_length > {depth}: depth k predicts the token k + 1 "

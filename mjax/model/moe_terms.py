@@ -34,6 +34,14 @@ def objective(stats: dict, model_cfg, counts_so_far, micro_index) -> tuple[jax.A
     return aux + z, counts_so_far, sums
 
 
+def concat_sums(first: dict, second: dict) -> dict:
+    """The step sums of two groups of MoE layers as those of one: per-layer counts [L, E] concatenated (the first
+    group's layers first), scalars added; either may be {} (no MoE layers)."""
+    if not (first and second):
+        return first or second
+    return {k: jnp.concatenate([first[k], second[k]]) if first[k].ndim else first[k] + second[k] for k in first}
+
+
 def metrics(sums: dict, num_micro: int) -> dict:
     """The step's router metrics from the summed micro-batch sums: the MoE loss terms (mean over micro-batches, as
     added to the objective), the busiest and idlest expert's load relative to an even share (1.0 = balanced; the

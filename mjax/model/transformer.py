@@ -130,17 +130,19 @@ class CausalLM(nnx.Module):
                 x = x + jnp.take(self.pos_embed[...], positions, axis=0).astype(self.dtype)
             return constrain(x, RESIDUAL)
 
-    def run_layers(self, x, positions, segment_ids, moe_keys=None, cache=None):
+    def run_layers(self, x, positions, segment_ids, moe_keys=None, cache=None, pattern=None):
         """The stacked blocks over x [B, T, D] -> (x, MoE stats: each key stacked [MoE layers run, ...], {} without
         MoE layers; the updated KV cache or None). A pipeline stage binds only its own slices of the stacks, so the
-        layers run are the leading dims of the bound stacks, in the kinds' order of the model's first layers (a
-        stage's pattern is the first stage's, which validation ensures). `moe_keys` [MoE layers run]: router noise
-        keys (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
+        layers run are the leading dims of the bound stacks, in the order `pattern` gives their kinds (True: MoE;
+        default: the model's first layers'). `moe_keys` [MoE layers run]: router noise keys
+        (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
         decoding (mjax.inference)."""
         cfg = self.cfg
         split = {name: nnx.split(getattr(self, name)) for name in STACKS if hasattr(self, name)}
         counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}
-        segments = self._layer_segments(cfg.moe_layer_pattern()[:sum(counts.values())])
+        if pattern is None:
+            pattern = cfg.moe_layer_pattern()[:sum(counts.values())]
+        segments = self._layer_segments(pattern)
 
         def pieces(tree, name):  # a stacked tree's slices, one per segment of stack `name` (None: no tree)
             sizes = [b - a for s, a, b, _ in segments if s == name]
@@ -198,11 +200,14 @@ class CausalLM(nnx.Module):
         x, stats, cache = self.run_layers(x, positions, segment_ids, moe_keys, cache)
         return self.final_norm(x), stats, cache
 
-    def mtp_hidden_states(self, h, mtp_inputs, mtp_positions, positions, segment_ids=None, moe_keys=None):
-        """Multi-token prediction (mjax/model/mtp.py) after `forward`: h [B, T, D] its final-norm output, mtp_inputs
-        and mtp_positions [D, B, T] the tokens k ahead (and their positions) for depths k = 1..D, positions [B, T] the
-        model's -> (each depth's output [D, B, T, D] for the output layer, MoE stats stacked [D, ...] or None)."""
-        embeddings = jnp.stack([self.embed_tokens(ids, pos) for ids, pos in zip(mtp_inputs, mtp_positions)])
+    def mtp_embeddings(self, mtp_inputs, mtp_positions):
+        """The tokens k ahead [D, B, T] (and their positions) of depths k = 1..D -> their embeddings [D, B, T, D]."""
+        return jnp.stack([self.embed_tokens(ids, pos) for ids, pos in zip(mtp_inputs, mtp_positions)])
+
+    def mtp_hidden_states(self, h, embeddings, positions, segment_ids=None, moe_keys=None):
+        """Multi-token prediction (mjax/model/mtp.py) after `forward`: h [B, T, D] its final-norm output, embeddings
+        [D, B, T, D] mtp_embeddings', positions [B, T] the model's -> (each depth's output [D, B, T, D] for the
+        output layer, MoE stats stacked [D, ...] or None)."""
         return self.mtp(h, embeddings, positions, segment_ids, self.runner, moe_keys)
 
     def hidden_states(self, tokens, positions=None, segment_ids=None):

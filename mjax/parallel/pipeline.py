@@ -26,9 +26,10 @@ the blocks there with one all_to_all of the layer weights per step (and one of t
 of an FSDP gather, rather than storing a pp/vpp-dependent layer order.
 
 Every tick, the micro-batch entering stage 0 is embedded under GSPMD (see pipeline_stage.py for why not inside the
-shard_map). With gpipe and interleaved the output layer and loss run after the pipeline on the finished
-micro-batches, split over the pipeline devices; with 1f1b the last stage runs them inside the tick, since the
-backward of a micro-batch starts right after its forward.
+shard_map). With gpipe and interleaved the head (the output layer and loss, and multi-token prediction's depths:
+pipeline_head.py) runs after the pipeline on the finished micro-batches, split over the pipeline devices; with the
+1F1B schedules and zero_bubble the last stage runs it inside the tick, since the backward of a micro-batch starts
+right after its forward. The head's params (the MTP layers' among them) are not split over stages.
 """
 
 import jax
@@ -40,9 +41,9 @@ from mjax.config.pipeline_layout import stage_layout
 from mjax.config.validate import pipeline_schedule
 from mjax.sharding import current_logical_sharding
 from mjax.parallel import pipeline_1f1b, pipeline_placement, pipeline_zero_bubble
-from mjax.parallel.pipeline_stage import (AXIS, embed, head_loss, head_sums, manual, micro_at, moe_sums_like,
-                                          my_chunks, per_stage_zeros, run_layers, shift, split_params,
-                                          stored_order_sums)
+from mjax.parallel.pipeline_head import Head, head_loss, head_sums
+from mjax.parallel.pipeline_stage import (AXIS, embed, manual, micro_at, moe_sums_like, my_chunks, per_stage_zeros,
+                                          run_layers, shift, split_params, stored_order_sums)
 from mjax.parallel.rules import BATCH_AXES
 
 
@@ -55,22 +56,22 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, num_micro: int) -> float:
     return (pp - 1) / (num_micro + pp - 1)
 
 
-def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, use_segments: bool, moe_weight=0.0,
-                   fp8=None):
-    """The pipelined counterpart of train/step.py's accumulation scan: the gradients of weight x the summed loss of
-    the micro-batches in `batch` (arrays [M, B, T]) plus moe_weight x the MoE layers' objective terms. token_loss(
-    module, h, micro) -> (loss sum, z sum) of one micro-batch from its final hidden states h [B, T, D]. fp8: the FP8
-    scales (TrainState.fp8.scales; the 1F1B schedules only). Returns (grads, the FP8 amaxes observed ({} without),
-    loss sum, z sum, measured bubble, the step's MoE sums in stored layer order ({} without MoE))."""
+def loss_and_grads(model, pcfg, params: dict, batch: dict, spec: Head, weights: dict, use_segments: bool,
+                   moe_weight=0.0, fp8=None):
+    """The pipelined counterpart of train/step.py's accumulation scan: the gradients of the head's terms of the
+    micro-batches in `batch` (arrays [M, B, T]), each times its weight in `weights` (pipeline_head.py), plus
+    moe_weight x the stages' MoE objective terms. fp8: the FP8 scales (TrainState.fp8.scales; the 1F1B schedules
+    only). Returns (grads, the FP8 amaxes observed ({} without), the head's (terms, sums) summed over the
+    micro-batches, measured bubble, the stages' MoE sums in stored layer order ({} without MoE))."""
     pp, vpp, num = pcfg.pp, pcfg.vpp, batch["inputs"].shape[0]
     stacks, rest = split_params(params)
-    plan = uneven_placement(model, pcfg)
+    plan = placement(model, pcfg)
     if pipeline_schedule(pcfg) == "zero_bubble":
-        grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_zero_bubble.run(
-            model, token_loss, use_segments, pp, stacks, rest, batch, weight)
+        grads, amaxes, head_out, bubble, moe_sums = pipeline_zero_bubble.run(
+            model, spec, use_segments, pp, stacks, rest, batch, weights)
     elif pipeline_schedule(pcfg) in ("1f1b", "interleaved_1f1b"):
-        grads, amaxes, loss_sum, z_sum, bubble, moe_sums = pipeline_1f1b.run(
-            model, token_loss, use_segments, pp, vpp, stacks, rest, batch, weight, moe_weight, split_params(fp8 or {}),
+        grads, amaxes, head_out, bubble, moe_sums = pipeline_1f1b.run(
+            model, spec, use_segments, pp, vpp, stacks, rest, batch, weights, moe_weight, split_params(fp8 or {}),
             plan)
     else:
         if fp8:
@@ -79,28 +80,29 @@ def loss_and_grads(model, pcfg, params: dict, batch: dict, token_loss, weight, u
 
         def loss(stacks, rest):
             outputs, busy, moe_obj, moe_sums = _forward(model, use_segments, pp, vpp, stacks, rest, batch, plan)
-            value, (loss_sum, z_sum) = head_loss(model, token_loss, rest, outputs, batch, weight, pp)
-            return value + moe_weight * moe_obj, (loss_sum, z_sum, busy, moe_sums)
+            value, head_out = head_loss(model, spec, rest, outputs, batch, weights, pp)
+            return value + moe_weight * moe_obj, (head_out, busy, moe_sums)
 
-        (d_stacks, d_rest), (loss_sum, z_sum, busy, moe_sums) = jax.grad(loss, argnums=(0, 1), has_aux=True)(
-            stacks, rest)
+        (d_stacks, d_rest), (head_out, busy, moe_sums) = jax.grad(loss, argnums=(0, 1), has_aux=True)(stacks, rest)
         grads, amaxes = {**d_rest, **d_stacks}, {}
         bubble = 1.0 - busy / ((vpp * num + pp - 1) * pp)  # ticks; the backward mirrors them
     moe_sums = (stored_order_sums(moe_sums, pp, vpp) if plan is None
                 else pipeline_placement.stored_order_sums(plan, moe_sums))
-    return grads, amaxes, loss_sum, z_sum, bubble, moe_sums
+    return grads, amaxes, head_out, bubble, moe_sums
 
 
-def uneven_placement(model, pcfg):
-    """The Placement of the configured stage layout when its stages differ in length (pipeline_placement.py), or
-    None when every stage holds the same layers (each device's stored block, or Megatron's interleaved chunks)."""
-    layout = stage_layout(pcfg, model.cfg.num_layers)
-    return None if layout.even else pipeline_placement.placement(layout, tuple(model.cfg.moe_layer_pattern()))
+def placement(model, pcfg):
+    """The Placement of the configured stage layout when its stages differ in length or in dense/MoE pattern
+    (pipeline_placement.py), or None when every stage holds alike layers (each device's stored block, or Megatron's
+    interleaved chunks)."""
+    layout, pattern = stage_layout(pcfg, model.cfg.num_layers), tuple(model.cfg.moe_layer_pattern())
+    return pipeline_placement.placement(layout, pattern) if pipeline_placement.needs_placement(layout, pattern) \
+        else None
 
 
-def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: bool):
+def loss_sums(model, pcfg, params: dict, batch: dict, spec: Head, use_segments: bool):
     """Forward only (evaluation) of batch arrays [B, T]: split into micro-batches, streamed through the stages in
-    GPipe order, so no device ever holds more than its own layers. Returns the token_loss pair summed over B."""
+    GPipe order, so no device ever holds more than its own layers. Returns the head's (terms, sums) summed over B."""
     mesh = current_logical_sharding()[0]
     shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
     size = batch["inputs"].shape[0]
@@ -111,15 +113,15 @@ def loss_sums(model, pcfg, params: dict, batch: dict, token_loss, use_segments: 
     # [B, T] -> [M, B / M, T]: row i of micro-batch m is sample i M + m, so no sample changes device.
     micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(size // num, num, *a.shape[1:]), 0, 1), batch)
     stacks, rest = split_params(params)
-    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro, uneven_placement(model, pcfg))[0]
-    return head_sums(model, token_loss, rest, outputs, micro, pcfg.pp)
+    outputs = _forward(model, use_segments, pcfg.pp, pcfg.vpp, stacks, rest, micro, placement(model, pcfg))[0]
+    return head_sums(model, spec, rest, outputs, micro, pcfg.pp)
 
 
 def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
     """Runs the M micro-batches through the pp x vpp virtual stages in GPipe order. Returns the last virtual stage's
     outputs [M, B, T, D], the number of (device, tick) slots that did useful work, the MoE objective terms summed
     over stages and micro-batches, and the MoE sums per device [pp, ...] ({} without MoE layers). plan: the
-    Placement of uneven stages, or None."""
+    Placement of stages that differ (pipeline_placement.py), or None."""
     num = batch["inputs"].shape[0]
     if plan is not None:
         layers = pipeline_placement.to_devices(plan, layers, pipeline_placement.stored_dims(model, layers, {})[0])
@@ -128,7 +130,8 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
     x = jax.eval_shape(lambda r, b: embed(model, r, micro_at(b, 0)), rest, batch)  # [B, T, D]
     carry = {"received": per_stage_zeros(pp, x), "outputs": per_stage_zeros(pp, x, num),  # [pp, (M,) B, T, D]
              "busy": jnp.zeros((pp,), jnp.int32), "moe_obj": jnp.zeros((pp,), jnp.float32),
-             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, vpp=vpp)}
+             "moe_sums": moe_sums_like(model, layers, pp, x, micro_at(batch, 0), use_segments, vpp=vpp,
+                                       kinds=None if plan is None else plan.kinds)}
     if vpp > 1:  # device 0 keeps what the last device finished until its next round starts
         carry["circulating"] = per_stage_zeros(pp, x, num)
 
@@ -142,9 +145,8 @@ def _forward(model, use_segments, pp, vpp, layers, rest, batch, plan=None):
         if vpp > 1:
             first = jnp.where(r == 0, first, c["circulating"][m])
         x = jnp.where(s == 0, first, c["received"])
-        real = None if plan is None else plan.real_of(s, r)
         y, obj, sums = run_layers(model, jax.tree.map(lambda a: a[r], chunks), x, micro_at(batch, m), use_segments,
-                                  real=real)
+                                  slots=None if plan is None else plan.slots_of(s, r))
         c["moe_obj"] += jnp.where(valid, obj, 0.0)
         c["moe_sums"] = jax.tree.map(lambda a, b: _add_at_chunk(a, jnp.where(valid, b, 0.0), r), c["moe_sums"], sums)
         done = valid & (s == pp - 1) & (r == vpp - 1)

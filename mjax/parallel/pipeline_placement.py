@@ -1,12 +1,14 @@
-"""Uneven pipeline stages (mjax/config/pipeline_layout.py): the stored layer stacks [L, ...] moved to the layer slots
-each device runs, and back.
+"""Pipeline stages that differ in length (mjax/config/pipeline_layout.py) or in their dense/MoE pattern (dense first
+layers, --moe_first_dense_layers): the stored layer stacks [L, ...] moved to the layer slots each device runs, and
+back.
 
-Every (virtual) stage runs one SPMD program, so every stage has as many layer slots as the longest one; a stage
-with fewer layers runs the extra slots masked (the slot's block still runs, on some real layer's weights, and its
-output is dropped: x passes through, no gradient reaches those weights, its MoE statistics and FP8 amaxes are
-zeroed). Slot j of every stage has the kind (dense / MoE) of the model's layer j, which validation ensures for
-the real layers, so each stack (`layers`, `moe_layers`) has its own slots: device s holds [vpp x S_k, ...] of
-stack k, chunk c at [c S_k, (c + 1) S_k).
+Every (virtual) stage runs one SPMD program, so every stage runs the same sequence of layer slots, each of one kind
+(dense / MoE): a common supersequence of the stages' kind sequences (all-MoE stages of 3 and 4 layers: 4 MoE slots;
+stage 0 dense-dense-MoE and the others MoE-MoE-MoE: D D M M M). A stage's layers take the slots of their kind in
+order; a slot it holds no layer for is skipped on that device (a lax.cond on the device's own predicate: its
+compute is not paid, x passes through, no gradient reaches the weights the slot borrowed, its MoE statistics and
+FP8 amaxes are zero). Each stack (`layers`, `moe_layers`) has its own slots: device s holds [vpp x S_k, ...] of
+stack k, chunk c at [c S_k, (c + 1) S_k), a skipped slot the weights of some real layer of the stack.
 
 The train state keeps the stacks in stored order [L, ...] (checkpoints restore onto any split, and onto pp = 1),
 sharded over `pipeline` in contiguous blocks when L divides over it, else on another dim (mjax/parallel/rules.py).
@@ -35,48 +37,93 @@ log = logging.getLogger("mjax")
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Static tables of one uneven StageLayout. sources[k]: [pp, vpp S_k] the stored index (in stack k) each slot of
-    each device runs, -1 for a masked slot; real: [pp, vpp, S] whether slot j of chunk c of device s is a layer."""
+    """Static tables of one StageLayout. kinds: slot j is MoE when kinds[j]; sources[k]: [pp, vpp S_k] the stored
+    index (in stack k) each slot of each device runs, -1 for a skipped slot; real: [pp, vpp, S] whether slot j of
+    chunk c of device s is a layer."""
     pp: int
     vpp: int
+    kinds: tuple
     sources: dict
     real: np.ndarray
     blocks: dict  # stack -> _block_tables, for a stack whose layers divide over pp (stored in contiguous blocks)
 
-    def real_of(self, s, c):
-        """Inside shard_map: whether each of the S slots of chunk c of device s (both traced) holds a layer."""
-        return jnp.asarray(self.real)[s, c]
+    def slots_of(self, s, c):
+        """Inside shard_map: (the slots' kinds, whether each of the S slots of chunk c of device s (both traced) holds
+        a layer), what pipeline_stage.run_layers takes as `slots`."""
+        return self.kinds, jnp.asarray(self.real)[s, c]
 
     def slot_is_layer(self, name: str, s, c):
         """Inside shard_map: whether each of the S_k slots of stack `name` in chunk c of device s holds a layer."""
         return jnp.asarray(self.sources[name] >= 0).reshape(self.pp, self.vpp, -1)[s, c]
 
 
+def _stage_kinds(layout, pattern, s: int, c: int) -> tuple[bool, ...]:
+    return tuple(pattern[g] for g in layout.layers(s, c))
+
+
+def needs_placement(layout, pattern: tuple[bool, ...]) -> bool:
+    """Whether the stages differ in length or in dense/MoE pattern (otherwise each device's stored block, or
+    Megatron's interleaved chunk, is its stage as it is)."""
+    first = _stage_kinds(layout, pattern, 0, 0)
+    return not layout.even or any(_stage_kinds(layout, pattern, s, c) != first
+                                  for s in range(layout.pp) for c in range(layout.vpp))
+
+
+def _supersequence(a: tuple, b: tuple) -> tuple:
+    """A shortest sequence holding both a and b as subsequences (the textbook dynamic programme)."""
+    n, m = len(a), len(b)
+    rest = np.zeros((n + 1, m + 1), np.int32)  # rest[i, j]: the shortest one of a[i:] and b[j:]
+    rest[:, m], rest[n, :] = np.arange(n, -1, -1), np.arange(m, -1, -1)
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            rest[i, j] = 1 + (rest[i + 1, j + 1] if a[i] == b[j] else min(rest[i + 1, j], rest[i, j + 1]))
+    out, i, j = [], 0, 0
+    while i < n or j < m:
+        if i < n and j < m and a[i] == b[j]:
+            out, i, j = out + [a[i]], i + 1, j + 1
+        elif j == m or (i < n and rest[i + 1, j] <= rest[i, j + 1]):
+            out, i = out + [a[i]], i + 1
+        else:
+            out, j = out + [b[j]], j + 1
+    return tuple(out)
+
+
+def _fit(kinds: tuple, stage: tuple) -> list[int]:
+    """The slots the stage's layers take: each the first slot of its kind after the previous layer's."""
+    taken, j = [], 0
+    for kind in stage:
+        while kinds[j] != kind:
+            j += 1
+        taken, j = taken + [j], j + 1
+    return taken
+
+
 @functools.cache
 def placement(layout, pattern: tuple[bool, ...]) -> Placement:
     """The Placement of StageLayout `layout` for a model whose layer g is MoE when pattern[g]."""
-    pp, vpp, slots = layout.pp, layout.vpp, layout.slots
-    kinds = [STACKS[int(pattern[j])] for j in range(slots)]  # slot j runs the model's layer-j kind
+    pp, vpp = layout.pp, layout.vpp
+    kinds = ()
+    for s in range(pp):
+        for c in range(vpp):
+            kinds = _supersequence(kinds, _stage_kinds(layout, pattern, s, c))
+    holds = np.full((pp, vpp, len(kinds)), -1, np.int32)  # the model layer each slot runs, -1: none
+    for s in range(pp):
+        for c in range(vpp):
+            layers = layout.layers(s, c)
+            holds[s, c, _fit(kinds, _stage_kinds(layout, pattern, s, c))] = list(layers)
     index_in_stack = [sum(pattern[i] == pattern[g] for i in range(g)) for g in range(len(pattern))]
     sources = {}
     for name in STACKS:
-        if name not in kinds:
-            continue
-        table = np.full((pp, vpp, kinds.count(name)), -1, np.int32)
-        for s in range(pp):
-            for c in range(vpp):
-                layers = layout.layers(s, c)
-                mine = [j for j in range(slots) if kinds[j] == name]
-                for q, j in enumerate(mine):
-                    if j < len(layers):
-                        table[s, c, q] = index_in_stack[layers[j]]
-        sources[name] = table.reshape(pp, -1)
+        mine = [j for j, k in enumerate(kinds) if STACKS[int(k)] == name]
+        if mine:
+            sources[name] = np.where(holds[..., mine] >= 0, np.take(index_in_stack, np.maximum(holds[..., mine], 0)),
+                                     -1).astype(np.int32).reshape(pp, -1)
     sizes = {name: sum(pattern) if name == "moe_layers" else len(pattern) - sum(pattern) for name in sources}
     blocks = {name: _block_tables(sources[name], sizes[name] // pp, pp) for name in sources if sizes[name] % pp == 0}
-    real = np.array([[[j < len(layout.layers(s, c)) for j in range(slots)] for c in range(vpp)] for s in range(pp)])
-    log.info("uneven pipeline stages, transformer layers per device (+ per chunk): %s; every stage runs %d layer "
-             "slots per chunk, a shorter one masks the rest", layout.describe(), slots)
-    return Placement(pp, vpp, sources, real, blocks)
+    log.info("pipeline stages of different lengths or dense/MoE patterns, transformer layers per device (+ per "
+             "chunk): %s; every stage runs the %d layer slots %s per chunk, skipping those it holds no layer for",
+             layout.describe(), len(kinds), "".join("M" if k else "D" for k in kinds))
+    return Placement(pp, vpp, kinds, sources, holds >= 0, blocks)
 
 
 def stored_dims(model, stacks: dict, fp8_stacks: dict) -> tuple[dict, dict]:
@@ -94,7 +141,7 @@ def stored_dims(model, stacks: dict, fp8_stacks: dict) -> tuple[dict, dict]:
 def to_devices(plan: Placement, stacks: dict, dims: dict) -> dict:
     """The stored stacks {k: [L_k, ...]} -> the slots every device runs, {k: [pp vpp S_k, ...]} (sharded over
     `pipeline`: device s holds [vpp S_k, ...]). dims: stored_dims' tree for `stacks`. Differentiable (the
-    gradient of a masked slot is zero, so the transpose adds nothing to the layer it borrowed)."""
+    gradient of a skipped slot is zero, so the transpose adds nothing to the layer it borrowed)."""
     leaves, treedef = jax.tree.flatten(stacks)
     if not leaves:
         return stacks
@@ -111,7 +158,7 @@ def to_devices(plan: Placement, stacks: dict, dims: dict) -> dict:
 
 def _place(local, plan: Placement, name: str, dim):
     """Inside shard_map: this device's part of one stored leaf [L, ...] of stack `name`, split over `pipeline` on
-    `dim` (None: not split) -> its slots [vpp S, ...] (a masked slot runs the weights of stored or local index 0)."""
+    `dim` (None: not split) -> its slots [vpp S, ...] (a skipped slot holds the weights of stored or local index 0)."""
     me, pp, sources = jax.lax.axis_index(AXIS), plan.pp, plan.sources[name]
     if dim is None:  # every device stores all of it
         return jnp.take(local, jnp.asarray(np.maximum(sources, 0))[me], axis=0)
@@ -157,7 +204,7 @@ def _block_tables(sources: np.ndarray, block: int, pp: int):
 
 def stored_order_sums(plan: Placement, sums: dict) -> dict:
     """The per-device MoE sums [pp, ...] -> the step's sums: per-layer counts [pp, vpp S, E] in stored order [L, E]
-    (masked slots dropped; they are zero), scalars summed over the devices."""
+    (skipped slots dropped; they are zero), scalars summed over the devices."""
     if not sums:
         return {}
     table = plan.sources["moe_layers"]  # [pp, vpp S]

@@ -1,5 +1,5 @@
-"""Pieces shared by the pipeline schedules: the per-tick shard_map, what a stage does with one micro-batch, the
-activation hand-off between neighbouring stages, and the output layer run after a GPipe-order pipeline.
+"""Pieces shared by the pipeline schedules: the per-tick shard_map, what a stage does with one micro-batch and the
+activation hand-off between neighbouring stages (the output layer and loss: pipeline_head.py).
 
 The scan over ticks runs under GSPMD and only each tick's stage work is a shard_map, manual over `pipeline`. The
 embedding lookup stays outside it: XLA's SPMD partitioner aborts (spmd_partitioner_util.cc "Check failed:
@@ -59,49 +59,60 @@ def embed(model, rest: dict, micro: dict, fp8=None):
     return model.bind(rest, fp8).embed_tokens(micro["inputs"], positions(micro))
 
 
-def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool, fp8=None, real=None):
+def run_layers(model, stacks: dict, x, micro: dict, use_segments: bool, fp8=None, slots=None):
     """A slice of the stacked layers (leading dims = their layer counts; `fp8` the same slice of their FP8 scales)
     over x [B, T, D] -> (y [B, T, D], the MoE objective terms of these layers (0 without MoE layers), their MoE step
-    sums ({} without)). real: [S] which of the slice's S layer slots hold a layer (uneven stages,
-    pipeline_placement.py): the others pass x through and add no MoE terms or sums; None: all of them."""
+    sums ({} without)). slots: (kinds, real) of a Placement (pipeline_placement.py): the S slots' kinds (MoE or
+    not) in the order they run, and [S] which of them hold a layer; the others pass x through, computing nothing,
+    and add no MoE terms or sums. None: the slice's layers are the model's first ones, all of them real."""
     segments = micro.get("segment_ids") if use_segments else None
     module = model.bind(stacks, fp8)
-    if real is not None:
+    kinds = None
+    if slots is not None:
+        kinds, real = slots
         module.runner = _masked_runner(module.runner, real)
-    y, stats, _ = module.run_layers(x, positions(micro), segments)
+    y, stats, _ = module.run_layers(x, positions(micro), segments, pattern=kinds)
     if not stats:
         return y, jnp.zeros((), jnp.float32), {}
-    if real is not None:
-        return (y, *_masked_moe_terms(stats, model.cfg, real))
+    if slots is not None:
+        return (y, *_masked_moe_terms(stats, model.cfg, *slots))
     counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)  # global_aux_loss: not with pp > 1
     terms, _, sums = moe_terms.objective(stats, model.cfg, counts, jnp.zeros((), jnp.int32))
     return y, terms.astype(jnp.float32), sums
 
 
 def _masked_runner(runner, real):
-    """The model's layer runner with each slot's output replaced by its input where real [S] says the slot holds no
-    layer; the model calls it for its runs of slots in order, so each call takes the next part of `real`."""
+    """The model's layer runner skipping the slots real [S] says hold no layer: a lax.cond on this device's own
+    predicate (the pipeline axis is manual, and a stage's peers on the other axes take the same branch), so a
+    skipped slot costs no compute, passes x through and gives zero MoE stats. The model calls the runner for its
+    runs of slots in order, so each call takes the next part of `real`."""
     taken = [0]
 
     def run(layer, x, xs, extra_names=()):
         n = jax.tree.leaves(xs)[0].shape[0]
         mask, taken[0] = real[taken[0]:taken[0] + n], taken[0] + n
 
+        def skip(x, one):
+            ys = jax.eval_shape(layer, x, one)[1]
+            return x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ys)
+
         def masked(x, xs_one):
             one, is_layer = xs_one
-            y, ys = layer(x, one)
-            return jnp.where(is_layer, y, x), ys
+            return jax.lax.cond(is_layer, layer, skip, x, one)
 
         return runner(masked, x, (xs, mask), extra_names)
 
     return run
 
 
-def _masked_moe_terms(stats: dict, model_cfg, real):
-    """(MoE objective terms, step sums) of the MoE slots among slots real [S] (slot j has the kind of the model's
-    layer j), each slot's terms computed alone and those of slots without a layer dropped."""
-    moe_slots = np.flatnonzero(model_cfg.moe_layer_pattern()[:real.shape[0]])
+def _masked_moe_terms(stats: dict, model_cfg, kinds, real):
+    """(MoE objective terms, step sums) of the MoE slots among slots of `kinds` (real [S]: which hold a layer), each
+    slot's terms computed alone and those of slots without a layer dropped."""
+    moe_slots = np.flatnonzero(kinds)
     is_layer = real[moe_slots]  # [MoE slots]
+    slot_mask = lambda v: is_layer.reshape(-1, *[1] * (v.ndim - 1))  # noqa: E731
+    # A skipped slot's stats are zeros (its tokens too): ones instead keep its dropped terms free of 0 / 0.
+    stats = jax.tree.map(lambda v: jnp.where(slot_mask(v), v, jnp.ones_like(v)), stats)
 
     def one(layer_stats):  # one MoE layer's stats -> (its terms, its sums)
         layer_stats = jax.tree.map(lambda a: a[None], layer_stats)
@@ -110,17 +121,20 @@ def _masked_moe_terms(stats: dict, model_cfg, real):
         return terms, sums
 
     terms, sums = jax.vmap(one)(stats)  # [MoE slots]; per-layer sums [MoE slots, 1, E]
-    keep = lambda v: jnp.where(is_layer.reshape(-1, *[1] * (v.ndim - 1)), v, 0)  # noqa: E731
+    keep = lambda v: jnp.where(slot_mask(v), v, 0)  # noqa: E731
     sums = {k: keep(v).sum(0) if v.ndim == 1 else keep(v).reshape(v.shape[0], *v.shape[2:]) for k, v in sums.items()}
     return jnp.sum(keep(terms)).astype(jnp.float32), sums
 
 
-def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool, fp8=None, vpp: int = 1):
+def moe_sums_like(model, stacks: dict, pp: int, x, micro: dict, use_segments: bool, fp8=None, vpp: int = 1,
+                  kinds=None):
     """Zeros [pp, ...] shaped as one device's MoE step sums over its vpp chunks of 1 / (pp vpp) of each stack, or {}.
-    fp8: the stacks' FP8 scales, with FP8 layers."""
+    fp8: the stacks' FP8 scales, with FP8 layers; kinds: the slots' kinds of a Placement, None without one."""
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (pp * vpp), *a.shape[1:]), a.dtype),
                          (stacks, fp8))
-    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s[0], x, m, use_segments, s[1])[2], chunk, x, micro)
+    slots = None if kinds is None else (kinds, jnp.ones((len(kinds),), bool))
+    sums = jax.eval_shape(lambda s, x, m: run_layers(model, s[0], x, m, use_segments, s[1], slots)[2], chunk, x,
+                          micro)
     return jax.tree.map(lambda a: jnp.zeros((pp, *((a.shape[0] * vpp, *a.shape[1:]) if a.ndim else ())),
                                             jnp.float32), sums)
 
@@ -138,12 +152,6 @@ def stored_order_sums(sums: dict, pp: int, vpp: int = 1) -> dict:
     return {k: one(v) for k, v in sums.items()}
 
 
-def head(model, token_loss, rest: dict, y, micro: dict, fp8=None):
-    """The last layer's output [B, T, D] -> (loss sum, z sum) of the micro-batch."""
-    module = model.bind(rest, fp8)
-    return token_loss(module, module.final_norm(y), micro)
-
-
 def shift(x, pp: int, direction: int, circular: bool = False):
     """Inside shard_map: sends x from stage s to stage s + direction (the last stage wraps round to the first when
     `circular`); a stage nobody sends to receives zeros."""
@@ -156,54 +164,6 @@ def shift(x, pp: int, direction: int, circular: bool = False):
 def per_stage_zeros(pp: int, like, *lead: int, dtype=None):
     """Zeros [pp, *lead, *like.shape]: one slice per pipeline device (sharded over `pipeline` by the shard_maps)."""
     return jnp.zeros((pp, *lead, *like.shape), dtype or like.dtype)
-
-
-def _grouped(x, pp: int):
-    """[M, ...] -> [ceil(M / pp), pp, ...], zero-padded (the padding has a zero loss mask)."""
-    groups = -(-x.shape[0] // pp)
-    x = jnp.pad(x, [(0, groups * pp - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(groups, pp, *x.shape[1:])
-
-
-def head_sums(model, token_loss, rest: dict, hs, batch: dict, pp: int):
-    """The summed token_loss pair of the finished micro-batches hs [M, B, T, D] (forward only, under GSPMD), the
-    micro-batches split over the pipeline devices as in head_loss."""
-    per_device = jax.vmap(lambda y, b: head(model, token_loss, rest, y, b), spmd_axis_name=AXIS)
-    firsts, seconds = jax.lax.map(lambda xs: per_device(*xs), (_grouped(hs, pp), jax.tree.map(
-        lambda a: _grouped(a, pp), batch)))
-    return jnp.sum(firsts), jnp.sum(seconds)
-
-
-def head_loss(model, token_loss, rest: dict, hs, batch: dict, weight, pp: int):
-    """(weight x loss sum, (loss sum, z sum)) of the finished micro-batches hs [M, B, T, D], under GSPMD.
-
-    The output layer runs once per micro-batch rather than at every tick, with the micro-batches split over the
-    pipeline devices (vmap with spmd_axis_name), each device handling ceil(M / pp). Its gradient is computed in the
-    forward pass and kept (custom_vjp), so the logits are neither stored for every micro-batch nor recomputed."""
-    micro = jax.tree.map(lambda a: _grouped(a, pp), batch)
-    one = jax.value_and_grad(lambda r, y, b: head(model, token_loss, r, y, b), argnums=(0, 1), has_aux=True)
-    per_device = jax.vmap(one, in_axes=(None, 0, 0), spmd_axis_name=AXIS)
-
-    def forward(rest, hs):
-        def group(acc, xs):
-            (total, z), (d_rest, d_h) = per_device(rest, *xs)  # d_rest: [pp, ...], one partial sum per device
-            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, d_rest), (total, z, d_h)
-
-        acc = jax.tree.map(lambda p: jnp.zeros((pp, *p.shape), jnp.float32), rest)
-        acc, (totals, zs, d_hs) = jax.lax.scan(group, acc, (_grouped(hs, pp), micro))
-        d_rest = jax.tree.map(lambda a: a.sum(0), acc)
-        d_hs = d_hs.reshape(-1, *hs.shape[1:])[:hs.shape[0]]  # [M, B, T, D]
-        loss_sum = jnp.sum(totals)
-        return (loss_sum * weight, (loss_sum, jnp.sum(zs))), (d_rest, d_hs)
-
-    def backward(res, cotangents):
-        d_rest, d_hs = res
-        g = cotangents[0] * weight
-        return (jax.tree.map(lambda d, p: (g * d).astype(p.dtype), d_rest, rest), (g * d_hs).astype(hs.dtype))
-
-    loss = jax.custom_vjp(lambda r, h: forward(r, h)[0])
-    loss.defvjp(forward, backward)
-    return loss(rest, hs)
 
 
 def interleave_tables(pp: int, vpp: int):

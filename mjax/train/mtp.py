@@ -61,17 +61,27 @@ def denominators(batch: dict, depth: int, cp: int, use_segments: bool):
     return jnp.maximum(mask.reshape(depth, -1).sum(-1), 1.0)
 
 
+def embeddings(module, micro: dict, cfg, use_segments: bool):
+    """The embeddings [D, B, T, D] of the tokens each depth reads in one micro-batch (a lookup of the shared table:
+    the pipeline runs it outside its stages, mjax/parallel/pipeline_stage.py)."""
+    ahead = depth_inputs(micro, cfg.model.mtp_depth, cfg.parallel.cp, use_segments)
+    return module.mtp_embeddings(ahead["inputs"], ahead["positions"])
+
+
 @jax.named_scope("mtp")
-def loss_sums(module, h, micro: dict, cfg, use_segments: bool, moe_keys=None):
+def loss_sums(module, h, micro: dict, cfg, use_segments: bool, embedded=None, moe_keys=None):
     """(each depth's masked cross-entropy sum [D], the MTP blocks' MoE stats stacked [D, ...] or None) of one
-    micro-batch, from the model's final-norm output h [B, T, D]."""
+    micro-batch, from the model's final-norm output h [B, T, D]. embedded: `embeddings` of the micro-batch, when
+    looked up elsewhere (None: here)."""
     depth, e = cfg.model.mtp_depth, cfg.execution
     ahead = depth_inputs(micro, depth, cfg.parallel.cp, use_segments)
     positions = micro.get("positions")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])
     segments = micro.get("segment_ids") if use_segments else None
-    hs, stats = module.mtp_hidden_states(h, ahead["inputs"], ahead["positions"], positions, segments, moe_keys)
+    if embedded is None:
+        embedded = module.mtp_embeddings(ahead["inputs"], ahead["positions"])
+    hs, stats = module.mtp_hidden_states(h, embedded, positions, segments, moe_keys)
     sums = [cross_entropy.loss_sums(hs[k], ahead["targets"][k], ahead["loss_mask"][k], impl=e.cross_entropy_impl,
                                     vocab_size=cfg.model.vocab_size, z_loss_coeff=0.0, chunk=e.cross_entropy_chunk,
                                     compute_dtype=module.dtype, logits_fn=module.logits,
@@ -80,9 +90,14 @@ def loss_sums(module, h, micro: dict, cfg, use_segments: bool, moe_keys=None):
     return jnp.stack(sums), stats
 
 
+def depth_weights(denoms, model_cfg):
+    """[D]: what each depth's loss sum is multiplied by in the objective, factor / (D x the depth's step count)."""
+    return model_cfg.mtp_loss_scaling_factor / (denoms.shape[0] * denoms)
+
+
 def objective(depth_sums, denoms, model_cfg):
     """The micro-batch's share of the MTP term: factor x mean over depths of (depth sum / the depth's step count)."""
-    return model_cfg.mtp_loss_scaling_factor * jnp.mean(depth_sums / denoms)
+    return jnp.vdot(depth_weights(denoms, model_cfg), depth_sums)
 
 
 def metrics(step_sums, denoms) -> dict:

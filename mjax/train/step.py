@@ -8,6 +8,7 @@ import optax
 from mjax.kernels import cross_entropy
 from mjax.model import moe_terms
 from mjax.parallel import pipeline
+from mjax.parallel.pipeline_head import Head
 from mjax.train import fp8_state, mtp
 from mjax.train.state import TrainState
 
@@ -41,7 +42,7 @@ def make_train_step(model, cfg, tx, schedule):
     stop_on_nonfinite = cfg.train.on_nonfinite == "stop"
     use_segments = cfg.data.reset_attention_mask
 
-    def micro_sums(module, h, micro):  # (loss sum, z sum); also what each pipeline stage's head computes
+    def micro_sums(module, h, micro):  # (loss sum, z sum); also the start of the pipeline head (last_stage_sums)
         return head_sums(module, h, micro, cfg.model, cfg.execution, z_coeff)
 
     depth = cfg.model.mtp_depth
@@ -57,7 +58,7 @@ def make_train_step(model, cfg, tx, schedule):
         objective = total * scale / denom
         sums = {}
         if depth:  # multi-token prediction (train/mtp.py); its MoE blocks' stats join the model's
-            depth_sums, mtp_stats = mtp.loss_sums(module, h, micro, cfg, use_segments, mtp_keys)
+            depth_sums, mtp_stats = mtp.loss_sums(module, h, micro, cfg, use_segments, moe_keys=mtp_keys)
             objective = objective + scale * mtp.objective(depth_sums, mtp_denoms, cfg.model)
             sums["mtp_loss_sums"] = jax.lax.stop_gradient(depth_sums)
             if mtp_stats is not None:
@@ -67,6 +68,20 @@ def make_train_step(model, cfg, tx, schedule):
             objective = objective + scale * terms / num_micro
             sums.update(moe_sums)
         return objective, (total, z, counts, sums)
+
+    def last_stage_sums(module, h, micro, embedded):  # what the pipeline's head computes (parallel/pipeline_head.py)
+        total, z = micro_sums(module, h, micro)
+        terms, sums = {"loss": total}, {"z": z}
+        if depth:  # the MTP depths run where the loss runs; embedded: their lookups, made outside the stages
+            terms["mtp"], stats = mtp.loss_sums(module, h, micro, cfg, use_segments, embedded)
+            if stats is not None:  # no running counts, as in the stages: global_aux_loss is refused with --pp > 1
+                counts = moe_terms.zero_counts(stats["router_topk_count"].sum(-2).shape)
+                terms["mtp_moe"], _, moe_sums = moe_terms.objective(stats, cfg.model, counts, jnp.zeros((), jnp.int32))
+                sums.update(moe_sums)
+        return terms, sums
+
+    pipeline_head = Head(last_stage_sums, (lambda module, micro: mtp.embeddings(module, micro, cfg, use_segments))
+                         if depth else None)
 
     @jax.named_scope("optimizer")
     def optimizer_update(state, grads, grad_norm, moe_sums):  # (new params, new optimizer state)
@@ -112,9 +127,18 @@ def make_train_step(model, cfg, tx, schedule):
 
         pipeline_metrics = {}
         if cfg.parallel.pp > 1:  # the micro-batches stream through pipeline stages instead
-            grads, amaxes, loss_sum, z_sum, pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
-                model, cfg.parallel, state.params, batch, micro_sums, scale / denom, use_segments, scale / num_micro,
+            weights = {"loss": scale / denom}  # of each term of last_stage_sums, as micro_loss weighs them
+            if depth:
+                weights["mtp"] = scale * mtp.depth_weights(mtp_denoms, cfg.model)
+                if cfg.model.mtp_is_moe():
+                    weights["mtp_moe"] = scale / num_micro
+            grads, amaxes, (terms, sums), pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
+                model, cfg.parallel, state.params, batch, pipeline_head, weights, use_segments, scale / num_micro,
                 fp8_scales)
+            loss_sum, z_sum = terms["loss"], sums.pop("z")
+            moe_sums = moe_terms.concat_sums(moe_sums, sums)  # the MTP blocks' after the model's MoE layers
+            if depth:
+                moe_sums["mtp_loss_sums"] = terms["mtp"]
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             counts, moe_sums = moe_zeros()
@@ -164,9 +188,15 @@ def make_eval_step(model, cfg):
     def masked_sums(module, h, batch):  # (loss sum, token count) from the final hidden states [B, T, D]
         return head_sums(module, h, batch, cfg.model, cfg.execution, 0.0)[0], jnp.sum(batch["loss_mask"])
 
+    def last_stage_sums(module, h, batch, _):  # the pipeline's head: nothing to differentiate
+        loss_sum, count = masked_sums(module, h, batch)
+        return {}, {"loss": loss_sum, "count": count}
+
     def eval_step(params, batch, fp8=None):  # batch: [batch, seq]; fp8: TrainState.fp8.scales with FP8 layers
         if cfg.parallel.pp > 1:  # through the stages, rather than gathering every layer onto every device
-            return pipeline.loss_sums(model, cfg.parallel, params, batch, masked_sums, cfg.data.reset_attention_mask)
+            _, sums = pipeline.loss_sums(model, cfg.parallel, params, batch, Head(last_stage_sums),
+                                         cfg.data.reset_attention_mask)
+            return sums["loss"], sums["count"]
         module, h, _ = hidden_states(model, params, batch, cfg.data.reset_attention_mask, fp8)
         return masked_sums(module, h, batch)
 

@@ -1,6 +1,8 @@
 """A small DeepSeek-V3-shaped model (MLA with q LoRA and YaRN, sigmoid-routed experts behind a dense layer) trains
 to the single-device losses and parameters under tensor, context, expert and pipeline parallelism (8 CPU devices),
-and with V3's router (expert bias, group-limited routing) under all three of pipeline, expert and tensor at once."""
+and with V3's router (expert bias, group-limited routing) under all three of pipeline, expert and tensor at once.
+Under the pipeline the dense first layer makes stage 0's dense/MoE pattern differ from the others': every stage runs
+the slots dense, MoE, MoE and skips the one it holds no layer for (mjax/parallel/pipeline_placement.py)."""
 
 import jax
 import numpy as np
@@ -19,14 +21,13 @@ SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 # Same fp32 SGD steps as tests/integration/test_parallel.py: layouts move losses by ~1e-7; tolerances 10x and more.
 # DeepSeek-V3's router besides MODEL's sigmoid scores and shared expert: aux-loss-free expert bias, group-limited top-k.
 V3_ROUTER = dict(moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1)
-# Every pipeline stage runs one SPMD program with one dense/MoE layer pattern (validation, docs/moe.md), so a dense
-# first layer is refused under --pp > 1: the pp layouts run the all-MoE variant.
-ALL_MOE = dict(moe_first_dense_layers=0)
 # layout: (parallel, model overrides, micro-batch size per data shard; None: the whole batch at once)
 LAYOUTS = {"tp2_dp4": (dict(tp=2), {}, None), "cp2_dp4": (dict(cp=2), {}, None),
-           "ep2_tp2_dp2": (dict(ep=2, tp=2), {}, None), "pp2_dp4": (dict(pp=2), ALL_MOE, None),
+           "ep2_tp2_dp2": (dict(ep=2, tp=2), {}, None), "pp2_dp4": (dict(pp=2), {}, None),
            # mesh pipeline 2 x expert 2 x tensor 2 (data 1); 4 micro-batches of 2 sequences per expert rank, 1f1b
-           "pp2_ep2_tp2_v3": (dict(pp=2, ep=2, tp=2), dict(ALL_MOE, **V3_ROUTER), 2)}
+           "pp2_ep2_tp2_v3": (dict(pp=2, ep=2, tp=2), V3_ROUTER, 2),
+           # one layer per virtual stage: virtual stage 0 dense, the other three MoE (slots dense, MoE)
+           "pp2_vpp2_dp2_tp2_interleaved_1f1b": (dict(pp=2, vpp=2, tp=2), {}, 4)}
 _REFERENCES = {}
 
 

@@ -189,7 +189,10 @@ def test_the_context_parallel_order_shifts_the_same_tokens(cp):
 # ---- config errors ----
 
 @pytest.mark.parametrize("change, flags", [
-    (dict(parallel=dict(pp=2)), ("--mtp_num_layers", "--pp")),
+    # with --pp > 1 the depths run on the last stage; a layout string must place them there (Megatron's m)
+    (dict(parallel=dict(pp=2, pipeline_model_parallel_layout="Et|L")), ("--pipeline_model_parallel_layout", "places 0",
+                                                                        f"--mtp_num_layers={DEPTH}")),
+    (dict(parallel=dict(pp=2, pipeline_model_parallel_layout="Et|mL")), ("places 1", f"--mtp_num_layers={DEPTH}")),
     (dict(model=dict(MODEL, mtp_num_layers=-1)), ("--mtp_num_layers",)),
     (dict(model=dict(MODEL, mtp_loss_scaling_factor=-0.1)), ("--mtp_loss_scaling_factor",)),
     (dict(model=dict(MODEL, mtp_num_layers=4), train=dict(seq_length=4)), ("--mtp_num_layers", "--seq_length")),

@@ -11,7 +11,7 @@ from mjax.config import ConfigError, load_config
 from mjax.config.pipeline_layout import parse_layout, stage_layout
 from mjax.config.sections import ParallelConfig
 from mjax.config.validate import validate
-from mjax.parallel.pipeline_placement import _block_tables, placement
+from mjax.parallel.pipeline_placement import _block_tables, needs_placement, placement
 
 
 @pytest.mark.parametrize("text, stages", [
@@ -43,6 +43,7 @@ SPLITS = [  # (flags, num_layers, layers of each virtual stage v = c pp + s), co
     (dict(pp=4, pipeline_model_parallel_layout="E|ttt|tttt|L"), 7, (0, 3, 4, 0)),
     (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Et|tt|tt|ttL"), 7, (1, 2, 2, 2)),
     (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Ett|ttt||tL"), 6, (2, 3, 0, 1)),
+    (dict(pp=2, pipeline_model_parallel_layout="Ettt|tmmL"), 4, (3, 1)),  # the m's (MTP depths) hold no layer
 ]
 
 
@@ -60,7 +61,7 @@ def test_interleaved_uneven_chunks_hold_megatrons_layer_ids():
     layers [0] and [3], device 1 runs [1, 2] and [4, 5]."""
     layout = stage_layout(ParallelConfig(pp=2, vpp=2, decoder_first_pipeline_num_layers=2), 6)
     assert [list(layout.layers(s, c)) for s in range(2) for c in range(2)] == [[0], [3], [1, 2], [4, 5]]
-    assert layout.slots == 2 and not layout.even
+    assert max(layout.counts) == 2 and not layout.even
 
 
 def test_placement_tables_move_every_stored_layer_to_its_slot_once():
@@ -103,7 +104,9 @@ ERRORS = [
      "--model.num_layers=6 \\+ 1 = 7 is not divisible by --pp=2"),
     (dict(pp=3), 4, "num_layers=4 is not divisible by --pp=3 x --vpp=1"),
     (dict(pp=2, pipeline_model_parallel_layout="E|tx|L"), 2, "cannot read 'x'"),
-    (dict(pp=2, pipeline_model_parallel_layout="Et|mL"), 1, "multi-token-prediction"),
+    # Megatron may put the MTP depths in a stage of their own; mjax runs them with the loss
+    (dict(pp=2, pipeline_model_parallel_layout="Etm|tL"), 2, "the multi-token-prediction depths m run where the loss"),
+    (dict(pp=2, vpp=2, pipeline_model_parallel_layout="Et|t|t|mtL"), 4, "go together at the end of the last stage"),
     (dict(pp=2, pipeline_model_parallel_layout="E(tt|ttL"), 4, "cannot read '\\('.*repeat count"),
     (dict(pp=2, pipeline_model_parallel_layout="Et|t|tL"), 3, "has 3 stages, not a multiple of --pp=2"),
     (dict(pp=2, pipeline_model_parallel_layout="Et|tt|tt|ttL"), 7, "= --pp=2 x 2 virtual stages per device; set "
@@ -121,16 +124,34 @@ def test_a_split_that_does_not_add_up_names_the_flag(flags, num_layers, message)
         stage_layout(ParallelConfig(**flags), num_layers)
 
 
-def test_validation_runs_the_split_and_checks_moe_stages_against_the_first_layers():
+def test_validation_runs_the_split_and_takes_stages_of_any_dense_moe_pattern():
     tiny = load_config("tiny")
     with pytest.raises(ConfigError, match=re.escape("pipeline_model_parallel_layout='E|tt|L' has 3 stages")):
         validate(tiny.replace(parallel=dict(pp=2, pipeline_model_parallel_layout="E|tt|L")))
     validate(tiny.replace(model=dict(num_layers=7), parallel=dict(pp=2, decoder_first_pipeline_num_layers=3)))
     moe = dict(num_layers=4, num_experts=4, moe_router_topk=2, moe_first_dense_layers=1)  # dense, MoE, MoE, MoE
-    with pytest.raises(ConfigError, match=r"\(device 0: 1 \| device 1: 3\) must follow the dense/MoE pattern"):
-        validate(tiny.replace(model=moe, parallel=dict(pp=2, decoder_first_pipeline_num_layers=1)))
-    validate(tiny.replace(model=dict(moe, moe_first_dense_layers=0), parallel=dict(
-        pp=2, decoder_first_pipeline_num_layers=1)))
+    for parallel in (dict(pp=2), dict(pp=2, decoder_first_pipeline_num_layers=1), dict(pp=2, vpp=2)):
+        validate(tiny.replace(model=moe, parallel=parallel))
+
+
+@pytest.mark.parametrize("flags, pattern, kinds, dense, moe", [
+    # DeepSeek's dense first layers: stage 0 D M, stage 1 M M -> slots D M M; device 1 skips the dense slot
+    (dict(pp=2), "DMMM", "DMM", [[0], [-1]], [[0, -1], [1, 2]]),
+    # dense first layers on their own stage (Megatron's balancing of V3): D D | M M M -> slots D D M M M
+    (dict(pp=2, decoder_first_pipeline_num_layers=2), "DDMMM", "DDMMM", [[0, 1], [-1, -1]], [[-1] * 3, [0, 1, 2]]),
+    # interleaved chunks v = c pp + s: (0, 0) D M, (1, 0) M M, (0, 1) M M, (1, 1) M M
+    (dict(pp=2, vpp=2), "DMMMMMMM", "DMM", [[0, -1], [-1, -1]], [[0, -1, 3, 4], [1, 2, 5, 6]]),
+])
+def test_stages_of_different_dense_moe_patterns_share_one_slot_sequence(flags, pattern, kinds, dense, moe):
+    """The slots are a shortest common supersequence of the stages' kinds; each stage's layers take the first slots of
+    their kind in order, the others are skipped (-1). sources: each slot's index in its stack (dense / MoE)."""
+    layout = stage_layout(ParallelConfig(**flags), len(pattern))
+    plan = placement(layout, tuple(k == "M" for k in pattern))
+    assert "".join("M" if k else "D" for k in plan.kinds) == kinds
+    np.testing.assert_array_equal(plan.sources["layers"], dense)
+    np.testing.assert_array_equal(plan.sources["moe_layers"], moe)
+    assert needs_placement(layout, tuple(k == "M" for k in pattern))
+    assert needs_placement(layout, (True,) * len(pattern)) == (not layout.even)  # all-MoE: only uneven stages
 
 
 def test_megatron_spellings_of_the_layout_flags_reach_the_config():

@@ -1,0 +1,76 @@
+"""Multi-token prediction under pipeline parallelism (8 CPU devices): the MTP depths run where the head runs (after a
+GPipe-order pipeline, or on the last stage inside the 1F1B and zero-bubble ticks), and every schedule gives the
+single-device losses, MTP losses and parameters; a V3-shaped model (a dense first layer, MoE layers) with an MoE MTP
+block adds the same router metrics and moves its expert bias as on one device, with expert and tensor parallelism
+beside the pipeline."""
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers.train_utils import document_batches, run_steps, tiny_config
+
+pytestmark = pytest.mark.slow  # compiles a training step per layout
+
+SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
+DENSE = dict(num_layers=4, mtp_num_layers=1)
+# tests/integration/test_mtp_train.py's V3 shape: a dense first layer (stage 0 runs dense, MoE; the other MoE, MoE),
+# MoE layers and an MoE depth
+V3 = dict(num_layers=4, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
+          qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=12, num_experts=4, moe_router_topk=2,
+          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_first_dense_layers=1,
+          moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+          moe_aux_loss_coeff=0.01, mtp_num_layers=1)
+# layout: (parallel, micro-batch size per data shard). Dense: 16 sequences, 2 micro-batches of 8 over the data shards.
+DENSE_LAYOUTS = {
+    "gpipe_pp2_fsdp2_tp2_sp": (dict(pp=2, fsdp=2, tp=2, sequence_parallel=True, pipeline_schedule="gpipe"), 4),
+    "1f1b_pp2_dp2_tp2_layout": (dict(pp=2, tp=2, pipeline_model_parallel_layout="Ett|ttmL"), 4),  # Megatron's m
+    "interleaved_pp2_vpp2_dp4": (dict(pp=2, vpp=2, pipeline_schedule="interleaved"), 2),
+    "interleaved_1f1b_pp2_vpp2_dp2_tp2": (dict(pp=2, vpp=2, tp=2), 4),
+    "zero_bubble_pp2_dp4": (dict(pp=2, pipeline_schedule="zero_bubble"), 2),
+}
+# V3: 12 sequences, 3 micro-batches of 4 over the data x expert shards; gpipe's second head group has a padding slot,
+# which must route no tokens. (The MoE schedules: gpipe, 1f1b, interleaved_1f1b; the latter is 1f1b's head.)
+V3_LAYOUTS = {
+    "gpipe_pp2_ep2_tp2": (dict(pp=2, ep=2, tp=2, pipeline_schedule="gpipe"), 2),
+    "1f1b_pp2_dp2_ep2": (dict(pp=2, ep=2), 1),
+}
+_REFERENCES = {}
+
+
+def _run(model, parallel, micro, global_batch, devices):
+    # 3 steps: the expert bias's +-rate moves of a flipping load cannot cancel out (test_mtp_train.py)
+    cfg = tiny_config(model=model, parallel=parallel, optimizer=SGD, data=dict(reset_attention_mask=True),
+                      train=dict(train_iters=3, global_batch_size=global_batch, micro_batch_size=micro))
+    history, state = run_steps(cfg, devices, batches=lambda c: document_batches(c, mean_length=12))
+    return history, jax.device_get(state.params)
+
+
+def _check(model, layout, global_batch, keys):
+    parallel, micro = layout
+    shards = jax.device_count() // int(np.prod([parallel.get(k, 1) for k in ("tp", "cp", "pp")]))
+    key = (tuple(sorted(model.items())), micro * shards)  # one device runs the same micro-batches
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _run(model, {}, micro * shards, global_batch, jax.devices()[:1])
+    ref_history, ref_params = _REFERENCES[key]
+    history, params = _run(model, parallel, micro, global_batch, jax.devices())
+    # fp32 SGD steps: the layouts reorder reductions only (the losses moved by <= 2e-7, the params by <= 1.2e-7)
+    for name in keys:
+        np.testing.assert_allclose([r[name] for r in history], [r[name] for r in ref_history], rtol=2e-6,
+                                   err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    return params
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
+def test_every_schedule_gives_the_single_device_mtp_steps(layout):
+    _check(DENSE, DENSE_LAYOUTS[layout], 16, ("loss", "mtp_1_loss"))
+
+
+@pytest.mark.parametrize("layout", V3_LAYOUTS)
+def test_moe_mtp_block_on_the_last_stage_matches_single_device(layout):
+    params = _check(V3, V3_LAYOUTS[layout], 12, ("loss", "mtp_1_loss", "moe_aux_loss", "moe_load_max",
+                                                 "moe_load_min"))
+    # the MTP block's expert bias moved, by its own router counts (compared above with the single device's)
+    assert np.abs(params["mtp"]["layers"]["block"]["mlp"]["router"]["expert_bias"]).max() > 0
