@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals (same traversal)
 
 from mjax.model import build_model
+from mjax.model.transformer import STACKS
 from mjax.parallel.remat import LayerRunner
 from mjax.sharding import single_device
 
@@ -21,6 +22,7 @@ class Residuals:
     stream: int  # bytes per sequence of tensors [.., seq, hidden] (the residual stream)
     other: int  # bytes per sequence of everything else that grows with the batch
     fixed: int  # bytes kept whatever the batch (weights cast to the compute dtype)
+    layer_weights: int  # bytes of the stacked layers' params the backward reads as they are (not cast: state)
 
     @property
     def per_sequence(self) -> int:
@@ -49,8 +51,9 @@ def local_model(cfg):
     return dataclasses.replace(m, **changes)
 
 
-def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int, int]:
-    """(bytes of [.., seq, hidden] residuals, bytes of the others) the backward of `batch` sequences keeps."""
+def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int, int, int]:
+    """(bytes of [.., seq, hidden] residuals, bytes of the others, bytes of the stacked layers' params read as they
+    are) the backward of `batch` sequences keeps."""
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def hidden_sum(p, t):
@@ -59,16 +62,16 @@ def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int,
 
     with single_device():  # the local model is one device's share: no mesh axis splits it further
         saved = saved_residuals(hidden_sum, params, tokens)
-    stream = other = 0
+    stream = other = weights = 0
     for aval, source in saved:
-        if "from the argument" in source:  # the weights themselves: counted as state
-            continue
         n = aval.size * aval.dtype.itemsize
-        if aval.shape and aval.shape[-1] == hidden and seq in aval.shape:
+        if "from the argument" in source:  # the weights themselves: counted as state
+            weights += n if any(f"p['{k}']" in source for k in STACKS) else 0
+        elif aval.shape and aval.shape[-1] == hidden and seq in aval.shape:
             stream += n
         else:
             other += n
-    return stream, other
+    return stream, other, weights
 
 
 @functools.lru_cache(maxsize=1024)
@@ -77,7 +80,7 @@ def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
     params = model.abstract_params()
     one, two = (_saved_bytes(model, params, b, seq, model_cfg.hidden_size) for b in (1, 2))
     stream, other = two[0] - one[0], two[1] - one[1]
-    return Residuals(stream, other, one[0] + one[1] - stream - other)
+    return Residuals(stream, other, one[0] + one[1] - stream - other, one[2])
 
 
 def residuals(cfg) -> Residuals:

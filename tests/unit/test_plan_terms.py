@@ -69,3 +69,24 @@ def test_multi_token_prediction_is_refused_by_name():
     cfg = tiny_config(model=dict(DENSE, mtp_num_layers=1), train=dict(seq_length=32, global_batch_size=8))
     with pytest.raises(ConfigError, match="--mtp_num_layers"):
         make_plan(cfg, machine_from(1, 1, "h200"))
+
+
+def _leaf_bytes(cfg, keep) -> int:  # bytes of the param leaves whose path `keep` accepts, in their dtype
+    model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution))
+    leaves = jax.tree_util.tree_flatten_with_path(model.abstract_params())[0]
+    return sum(v.size * v.dtype.itemsize for path, v in leaves if keep(jax.tree_util.keystr(path)))
+
+
+def test_layer_weights_are_those_the_backward_reads_uncast():
+    """fp32 compute: the output projections and the norm scales are read as stored (q/k/v and gate/up are
+    concatenated first: counted as fixed); bf16: only the fp32 norm scales, every matmul weight being cast."""
+    fp32 = _cfg().replace(precision=dict(compute_dtype="float32"))
+    assert residuals(fp32).layer_weights == _leaf_bytes(fp32, lambda p: p.startswith("['layers']") and (
+        "o_proj" in p or "down_proj" in p or "norm" in p))
+    bf16 = _cfg()
+    assert residuals(bf16).layer_weights == _leaf_bytes(bf16, lambda p: p.startswith("['layers']") and "norm" in p)
+
+
+def test_layer_params_are_the_stacked_layers_split_over_the_stages():
+    cfg = _cfg(micro=1).replace(parallel=dict(pp=2))
+    assert state_bytes(cfg, 2)["layer_params"] == _leaf_bytes(cfg, lambda p: p.startswith("['layers']")) // 2
