@@ -13,7 +13,7 @@ from mjax.parallel.remat import LayerRunner
 from mjax.plan.activations import residuals
 from mjax.plan.cost import step_time
 from mjax.plan.machine import machine_from
-from mjax.plan.memory import activation_bytes
+from mjax.plan.memory import activation_bytes, memory
 from mjax.plan.rank import make_plan
 from mjax.plan.states import state_bytes
 from tests.helpers.train_utils import tiny_config
@@ -41,7 +41,8 @@ def test_weight_copies_are_kept_once_whatever_the_batch():
     assert 0 <= fixed - 2 * _matmul_weight_elements(cfg) <= 64
     lm_head = DENSE["hidden_size"] * DENSE["vocab_size"]
     assert 0 <= residuals(_cfg("full")).fixed - 2 * lm_head <= 64
-    one, four = (activation_bytes(_cfg(micro=m), validate_layout(_cfg(micro=m), 1)) for m in (1, 4))
+    one, four = (activation_bytes(_cfg(micro=m), validate_layout(_cfg(micro=m), 1), state_bytes(_cfg(micro=m), 1))
+                 for m in (1, 4))
     assert four - one == 3 * residuals(cfg).per_sequence
 
 
@@ -90,3 +91,12 @@ def test_layer_weights_are_those_the_backward_reads_uncast():
 def test_layer_params_are_the_stacked_layers_split_over_the_stages():
     cfg = _cfg(micro=1).replace(parallel=dict(pp=2))
     assert state_bytes(cfg, 2)["layer_params"] == _leaf_bytes(cfg, lambda p: p.startswith("['layers']")) // 2
+
+
+def test_accumulating_keeps_the_micro_batch_gradient_on_xla_cpu_only():
+    cfg = _cfg(micro=1)  # global batch 8: 8 micro-batches on one device
+    grads = state_bytes(cfg, 1)["grads"]
+    assert memory(cfg, validate_layout(cfg, 1), 1).partial_grads == grads
+    assert memory(cfg, validate_layout(cfg, 1), 1, on_gpu=True).partial_grads == 0
+    whole = _cfg(micro=8)
+    assert memory(whole, validate_layout(whole, 1), 1).partial_grads == 0
