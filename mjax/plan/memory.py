@@ -1,12 +1,15 @@
 """Memory per device of one layout: the train state and fp32 gradients exactly (mjax.plan.states), the activations
 the model keeps for its backward (mjax.plan.activations), as a pipeline schedule holds them
 (mjax.plan.pipeline_memory), the gradient buffers besides the step's sum, and the transients: the working set of
-the layer being back-propagated and the output layer's logits and their gradient."""
+the layer being back-propagated (with the reference grouped GEMM's dense expansion in MoE layers) and the output
+layer's logits and their gradient."""
 
 import dataclasses
 
+import jax
+
 from mjax.plan import pipeline_memory
-from mjax.plan.activations import model_activation_bytes, residuals
+from mjax.plan.activations import model_activation_bytes, nested_regions, residuals
 from mjax.plan.pipeline_memory import Device
 from mjax.plan.states import state_bytes
 
@@ -79,8 +82,39 @@ def transient_bytes(cfg, batching, on_gpu: bool = False) -> int:
     # log-sum-exp and the gradient's cast into its producer (each read or written once in the compute dtype)
     logits = b * positions * vocab * (2 * c if on_gpu else 4 + 4 + c)
     everything = cfg.replace(execution=dict(remat_policy="none"))
-    total, fixed = model_activation_bytes(everything, b)
-    return logits + (total - fixed) // m.num_layers
+    total, fixed = model_activation_bytes(everything, b, checkpointed=False)
+    layer = (total - fixed) // m.num_layers
+    experts = expert_expansion_bytes(cfg, batching, on_gpu)
+    # recomputed (by the policy, or as a pipeline stage's dispatch region), the layer's activations are live while
+    # its experts' backward runs; kept, the layer's gradients and its experts' expanded backward are the two
+    # candidates for the working set
+    recomputed = cfg.execution.remat_policy != "none" or nested_regions(cfg)[0]
+    return logits + (layer + experts if recomputed else max(layer, experts))
+
+
+def expert_expansion_bytes(cfg, batching, on_gpu: bool = False) -> int:
+    """The reference grouped GEMM (lax.ragged_dot, --moe_grouped_gemm_impl=xla: the default off a GPU) is lowered
+    as a dense product over the device's G experts: each ragged operand is copied G times with the other groups'
+    rows masked (jax's _ragged_dot_general_impl). The backward of x [R, K] . w [G, K, N] expands its output
+    gradient for the input gradient and both operands for the weight gradient, G R (K + 2 N) elements; the
+    experts' backward holds those of all its GEMMs (measured, expert_rows' vjp alone on XLA:CPU: within 10% over
+    G 1-8, R 2k-8k, D and F 256-1024), in float32 on XLA:CPU (its dots run bf16 in f32). Zero for the Pallas
+    kernels and for dense models."""
+    m, p = cfg.model, cfg.parallel
+    impl = cfg.execution.moe_grouped_gemm_impl
+    here = None if on_gpu else jax.default_backend()  # the backend the step compiles for; None: a GPU
+    reference = impl == "xla" or (impl == "auto" and here not in (None, "gpu"))
+    if not m.num_experts or not reference:
+        return 0
+    folded = p.expert_tensor_parallel_size not in (None, p.tp)  # experts over expert x tensor
+    groups = m.num_experts // (p.ep * (p.tp if folded else 1))
+    rows = p.ep * m.moe_router_topk * batching.micro_batch_size * cfg.train.seq_length  # the receive buffer
+    d, f = m.hidden_size, (m.moe_ffn_hidden_size or m.ffn_hidden_size) // (1 if folded else p.tp)
+    gated = m.activation == "swiglu"
+    gemms = [(d, f), (d, f), (f, d)] if gated else [(d, f), (f, d)]  # (K, N): gate, up, down
+    itemsize = 4 if here == "cpu" else BYTES[cfg.precision.compute_dtype]
+    kept = rows * (d + (3 if gated else 2) * f)  # the experts' own residuals (rows, gate, up, hidden): counted
+    return max(groups * rows * sum(k + 2 * n for k, n in gemms) - kept, 0) * itemsize
 
 
 def memory(cfg, batching, num_devices: int, on_gpu: bool = False) -> Memory:
