@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals (same traversal)
 
+from mjax.kernels.attention import dot_product_attention
 from mjax.model import build_model
+from mjax.model.moe import MoE
+from mjax.model.transformer import STACKS
 from mjax.parallel.remat import LayerRunner
 from mjax.sharding import single_device
 
@@ -21,6 +24,7 @@ class Residuals:
     stream: int  # bytes per sequence of tensors [.., seq, hidden] (the residual stream)
     other: int  # bytes per sequence of everything else that grows with the batch
     fixed: int  # bytes kept whatever the batch (weights cast to the compute dtype)
+    layer_weights: int  # bytes of the stacked layers' params the backward reads as they are (not cast: state)
 
     @property
     def per_sequence(self) -> int:
@@ -39,8 +43,9 @@ def local_model(cfg):
     if m.num_experts:
         # each device's experts compute on a receive buffer of ep blocks, each as large as one device's routed
         # rows (token_dispatcher.py: exact, never dropping): a local trace routing each token to top-k x ep of its
-        # experts has as many rows
-        rows = m.moe_router_topk * p.ep
+        # experts has as many rows. The dispatcher is manual over the batch axes only, so under context
+        # parallelism each rank routes its batch's whole sequences, cp times the tokens it traces.
+        rows = m.moe_router_topk * p.ep * p.cp
         changes.update(num_experts=max(m.num_experts // p.ep, rows), moe_router_topk=rows,
                        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
         if m.moe_shared_expert_intermediate_size:
@@ -49,8 +54,9 @@ def local_model(cfg):
     return dataclasses.replace(m, **changes)
 
 
-def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int, int]:
-    """(bytes of [.., seq, hidden] residuals, bytes of the others) the backward of `batch` sequences keeps."""
+def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int, int, int]:
+    """(bytes of [.., seq, hidden] residuals, bytes of the others, bytes of the stacked layers' params read as they
+    are) the backward of `batch` sequences keeps."""
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def hidden_sum(p, t):
@@ -59,37 +65,61 @@ def _saved_bytes(model, params, batch: int, seq: int, hidden: int) -> tuple[int,
 
     with single_device():  # the local model is one device's share: no mesh axis splits it further
         saved = saved_residuals(hidden_sum, params, tokens)
-    stream = other = 0
+    stream = other = weights = 0
     for aval, source in saved:
-        if "from the argument" in source:  # the weights themselves: counted as state
-            continue
         n = aval.size * aval.dtype.itemsize
-        if aval.shape and aval.shape[-1] == hidden and seq in aval.shape:
+        if "from the argument" in source:  # the weights themselves: counted as state
+            weights += n if any(f"p['{k}']" in source for k in STACKS) else 0
+        elif aval.shape and aval.shape[-1] == hidden and seq in aval.shape:
             stream += n
         else:
             other += n
-    return stream, other
+    return stream, other, weights
+
+
+def _checkpointed_dispatch(layer, x, logits):
+    """The MoE dispatch region recomputed in the backward, as token_dispatcher.py runs it inside a pipeline stage."""
+    return jax.checkpoint(lambda x, logits: MoE.route_and_dispatch(layer, x, logits))(x, logits)
+
+
+def _checkpointed_attention(q, k, v, **options):
+    """Core attention recomputed in the backward, as context_parallel.py runs it inside a pipeline stage."""
+    return jax.checkpoint(functools.partial(dot_product_attention, **options))(q, k, v)
 
 
 @functools.lru_cache(maxsize=1024)
-def _residuals(model_cfg, precision, execution, seq: int) -> Residuals:
-    model = build_model(model_cfg, precision, execution, LayerRunner(execution))
+def _residuals(model_cfg, precision, execution, seq: int, nested_moe: bool = False,
+               nested_attention: bool = False) -> Residuals:
+    """nested_*: the region runs in a shard_map nested in the pipeline's, which JAX cannot lower with saved
+    residuals, so the code checkpoints it (its inputs are kept, the rest recomputed)."""
+    model = build_model(model_cfg, precision, execution, LayerRunner(execution),
+                        _checkpointed_dispatch if nested_moe else None,
+                        _checkpointed_attention if nested_attention else None)
     params = model.abstract_params()
     one, two = (_saved_bytes(model, params, b, seq, model_cfg.hidden_size) for b in (1, 2))
     stream, other = two[0] - one[0], two[1] - one[1]
-    return Residuals(stream, other, one[0] + one[1] - stream - other)
+    return Residuals(stream, other, one[0] + one[1] - stream - other, one[2])
 
 
-def residuals(cfg) -> Residuals:
-    """Residual bytes on one device of the layout, per sequence (seq / cp positions) and fixed."""
+def residuals(cfg, checkpointed: bool = True) -> Residuals:
+    """Residual bytes on one device of the layout, per sequence (seq / cp positions) and fixed. checkpointed=False:
+    as if no region were checkpointed for nesting (what a recomputed layer holds)."""
+    nested = nested_regions(cfg) if checkpointed else (False, False)
+    return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // cfg.parallel.cp,
+                      *nested)
+
+
+def nested_regions(cfg) -> tuple[bool, bool]:
+    """(MoE dispatch, core attention): whether the layout runs it in a shard_map nested in the pipeline's (expert
+    and context parallelism inside a pipeline stage), and so recomputes it in the backward."""
     m, p = cfg.model, cfg.parallel
-    return _residuals(local_model(cfg), cfg.precision, cfg.execution, cfg.train.seq_length // p.cp)
+    return p.pp > 1 and bool(m.num_experts) and p.ep > 1, p.pp > 1 and p.cp > 1
 
 
-def model_activation_bytes(cfg, micro_batch_size: int) -> tuple[int, int]:
+def model_activation_bytes(cfg, micro_batch_size: int, checkpointed: bool = True) -> tuple[int, int]:
     """(bytes one micro-batch's forward keeps for its backward over all layers on one device (no pipeline), of
-    which fixed: kept once whatever the number of micro-batches in flight)."""
-    r = residuals(cfg)
+    which fixed: kept once whatever the number of micro-batches in flight). checkpointed: as residuals()."""
+    r = residuals(cfg, checkpointed)
     # Sequence parallelism does not shrink them: XLA keeps each block's all-gathered input [seq, hidden] for the
     # weight gradient (measured on tests/integration/test_plan_memory.py's tp2 + SP layout: dividing the residual
     # stream by tp under-predicts it by 19%, keeping it whole matches)

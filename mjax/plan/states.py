@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh
 
 from mjax.config import ExecutionConfig, ParallelConfig
 from mjax.model import build_model
+from mjax.model.transformer import STACKS
 from mjax.parallel.mesh import AXES, mesh_shape
 from mjax.parallel.remat import LayerRunner
 from mjax.parallel.rules import add_axis, bytes_per_device, logical_rules, param_shardings, state_shardings
@@ -32,8 +33,9 @@ def _abstract(model_cfg, precision, execution, optimizer, train_iters):
 
 
 def state_bytes(cfg, num_devices: int) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "other"} bytes per device ("other": FP8 amax histories and scales, the step,
-    the rng, the loss scale)."""
+    """{"params", "grads", "optimizer", "other", "layer_params"} bytes per device ("other": FP8 amax histories and
+    scales, the step, the rng, the loss scale; "layer_params": the part of "params" in the stacked layers, which a
+    pipeline splits over its stages)."""
     p = cfg.parallel  # the fields the shardings depend on (the schedule, micro-batch and recomputation do not)
     parallel = ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, fsdp=p.fsdp, dp=p.dp,
                               sequence_parallel=p.sequence_parallel, expert_tensor_parallel_size=p.expert_tensor_parallel_size,
@@ -60,4 +62,6 @@ def _state_bytes(cfg, num_devices: int) -> tuple:
            "optimizer": bytes_per_device(state.opt_state, s_sharding.opt_state),
            "grads": bytes_per_device(grads, grad_sharding)}
     out["other"] = total - out["params"] - out["optimizer"]
+    out["layer_params"] = bytes_per_device({k: v for k, v in state.params.items() if k in STACKS},
+                                           {k: v for k, v in s_sharding.params.items() if k in STACKS})
     return tuple(out.items())
