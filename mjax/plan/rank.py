@@ -5,6 +5,8 @@ import dataclasses
 
 from mjax.config import ConfigError, load_config
 from mjax.config.flags import _fields
+from mjax.config.pipeline_layout import stage_layout
+from mjax.parallel.pipeline_placement import needs_placement
 from mjax.plan.cost import StepTime, step_time
 from mjax.plan.enumerate import SearchSpace, candidates
 from mjax.plan.memory import Memory, memory
@@ -37,12 +39,19 @@ class Prediction:
                 "micro_batches": self.batching.micro_batches, "reject": self.reject}
 
 
+UNMODELLED_STAGES = ("stages of different dense/MoE patterns (--moe_first_dense_layers with --pp > 1): the memory "
+                     "model does not count the copy of each device's layer slots")
+
+
 def predict(candidate, machine) -> Prediction:
     cfg, batching = candidate.cfg, candidate.batching
     mem = memory(cfg, batching, machine.num_gpus, on_gpu=True)
     time = step_time(cfg, batching, state_bytes(cfg, machine.num_gpus), machine)
     limit = machine.memory_gib * GIB
     reject = f"needs {mem.total / GIB:.1f} GiB > {machine.memory_gib:g}" if mem.total > limit else None
+    p = cfg.parallel
+    if p.pp > 1 and needs_placement(stage_layout(p, cfg.model.num_layers), tuple(cfg.model.moe_layer_pattern())):
+        reject = UNMODELLED_STAGES  # never ranked on a prediction known to miss
     return Prediction(candidate.name, cfg, batching, mem, time, reject)
 
 
