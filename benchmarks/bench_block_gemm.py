@@ -69,7 +69,7 @@ def main():
             try:
                 row[name] = flop / time_fn(f, aq, sa, bq, sb.T, min_s=0.1) / 1e12
             except Exception as e:  # noqa: BLE001  (a tiling that does not fit costs only its cell)
-                row[name] = f"{type(e).__name__}"
+                row[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         rows.append(row)
         print(" | ".join(f"{key} {v:.0f}" if isinstance(v, float) else f"{key} {v}" for key, v in row.items()),
               flush=True)

@@ -4,8 +4,9 @@ positions before it (and inside the sliding window).
 
 The cache holds `max_len` positions per stack of layers, {"layers" / "moe_layers": {name: [layers of the stack,
 batch, max_len, ...]}}: keys and values {"k", "v"} [.., kv_heads, head_dim], or with --multi_latent_attention the
-compressed latent and RoPE key {"latent" [.., kv_lora_rank], "k_rope" [.., qk_pos_emb_head_dim]}. Each call processes tokens at consecutive positions (a
-prompt, then one token per step); the tests check that the logits equal those of the full forward pass.
+compressed latent and RoPE key {"latent" [.., kv_lora_rank], "k_rope" [.., qk_pos_emb_head_dim]}. Each call
+processes tokens at consecutive positions (a prompt, then one token per step); the tests check that the logits equal
+those of the full forward pass.
 """
 
 import jax.numpy as jnp

@@ -135,8 +135,8 @@ class CausalLM(nnx.Module):
         MoE layers; the updated KV cache or None). A pipeline stage binds only its own slices of the stacks, so the
         layers run are the leading dims of the bound stacks, in the order `pattern` gives their kinds (True: MoE;
         default: the model's first layers'). `moe_keys` [MoE layers run]: router noise keys
-        (--moe_router_force_load_balancing), or None; `cache`: {stack: {"k", "v"} [layers, B, S, K, H]} when
-        decoding (mjax.inference)."""
+        (--moe_router_force_load_balancing), or None; `cache` when decoding (mjax.inference): {stack: {"k", "v"}
+        [layers, B, S, K, H]}, or with MLA {stack: {"latent", "k_rope"} [layers, B, S, ...]} (mla_cache_shapes)."""
         cfg = self.cfg
         split = {name: nnx.split(getattr(self, name)) for name in STACKS if hasattr(self, name)}
         counts = {name: jax.tree.leaves(state)[0].shape[0] for name, (_, state) in split.items()}

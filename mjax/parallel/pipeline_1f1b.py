@@ -40,8 +40,8 @@ def run(model, spec, use_segments, pp, vpp, layers, rest, batch, weights, moe_we
     chunked, to_stored = (layers, fp8_layers), None
     if plan is not None:  # stages that differ: each device's slots; the vjp takes gradients and amaxes back
         dims = pipeline_placement.stored_dims(model, layers, fp8_layers)
-        chunked, to_stored = jax.vjp(lambda t: tuple(pipeline_placement.to_devices(plan, a, d) for a, d in zip(t, dims)),
-                                     chunked)
+        place = lambda t: tuple(pipeline_placement.to_devices(plan, a, d) for a, d in zip(t, dims))  # noqa: E731
+        chunked, to_stored = jax.vjp(place, chunked)
     elif vpp > 1:  # the interleaved placement; its vjp takes the gradients (and amaxes) back to the stored order
         chunked, to_stored = jax.vjp(manual(lambda l: my_chunks(l, pp, vpp), P(AXIS), P(AXIS)), chunked)
     table = {k: jnp.asarray(getattr(tables, k)) for k in (

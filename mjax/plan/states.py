@@ -38,7 +38,8 @@ def state_bytes(cfg, num_devices: int) -> dict[str, int]:
     pipeline splits over its stages)."""
     p = cfg.parallel  # the fields the shardings depend on (the schedule, micro-batch and recomputation do not)
     parallel = ParallelConfig(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, fsdp=p.fsdp, dp=p.dp,
-                              sequence_parallel=p.sequence_parallel, expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+                              sequence_parallel=p.sequence_parallel,
+                              expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                               use_distributed_optimizer=p.use_distributed_optimizer)
     base = dataclasses.replace(cfg, parallel=parallel, execution=ExecutionConfig(),
                                train=dataclasses.replace(cfg.train, micro_batch_size=None))

@@ -143,7 +143,7 @@ def test_validation_runs_the_split_and_takes_stages_of_any_dense_moe_pattern():
     (dict(pp=2, vpp=2), "DMMMMMMM", "DMM", [[0, -1], [-1, -1]], [[0, -1, 3, 4], [1, 2, 5, 6]]),
 ])
 def test_stages_of_different_dense_moe_patterns_share_one_slot_sequence(flags, pattern, kinds, dense, moe):
-    """The slots are a shortest common supersequence of the stages' kinds; each stage's layers take the first slots of
+    """The slots are a common supersequence of the stages' kinds (shortest for these patterns); each stage's layers take the first slots of
     their kind in order, the others are skipped (-1). sources: each slot's index in its stack (dense / MoE)."""
     layout = stage_layout(ParallelConfig(**flags), len(pattern))
     plan = placement(layout, tuple(k == "M" for k in pattern))

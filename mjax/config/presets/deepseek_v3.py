@@ -1,7 +1,7 @@
 """DeepSeek-V3 (671B total, 37B active): multi-head latent attention (128 heads, q rank 1536, kv rank 512, head dims
 128 + 64 RoPE for Q/K, 128 for V, YaRN x40 over 4k), 61 layers of which the first 3 dense; 256 routed experts top-8
 in 8 groups (4 kept), sigmoid scores with the aux-loss-free expert bias, routed scaling 2.5, 1 shared expert.
-Multi-token prediction is off here: DeepSeek-V3 trained with --mtp_num_layers=1 (pp=1 only in mjax)."""
+Multi-token prediction is off here: DeepSeek-V3 trained with --mtp_num_layers=1."""
 from mjax.config import Config
 
 

@@ -1,7 +1,8 @@
 """Moonlight-16B-A3B (16B total, 3B active; DeepSeek-V3's architecture): multi-head latent attention without query
 compression (16 heads, kv rank 512, head dims 128 + 64 RoPE for Q/K, 128 for V, plain RoPE base 50000 over 8k),
 27 layers of which the first dense; 64 routed experts top-6 in one group, sigmoid scores with the aux-loss-free
-expert bias, routed scaling 2.446, 2 shared experts; vocabulary 163840."""
+expert bias, routed scaling 2.446, 2 shared experts; vocabulary 163840. The learning-rate schedule is
+deepseek-v2-lite's: Moonlight was trained with the Muon optimizer, which mjax does not have."""
 from mjax.config import Config
 
 
