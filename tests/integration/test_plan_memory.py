@@ -43,6 +43,7 @@ LAYOUTS = [
     (MOE, dict(ep=4, tp=2, expert_tensor_parallel_size=1), "full", 2),
     (MOE, dict(pp=2, ep=4), "none", 1),
     (MOE, dict(ep=2, cp=2), "selective", 2),
+    (DENSE, dict(pp=2, pipeline_schedule="zero_bubble"), "selective", 1),
 ]
 
 
