@@ -84,12 +84,13 @@ def test_a_layout_that_does_not_fit_is_rejected_with_its_reason():
 def test_stages_of_different_dense_moe_patterns_are_rejected_not_ranked():
     """A dense first layer makes stage 0's pattern differ from the others' under --pp > 1: the memory model does not
     count those stages' slot copies, so such layouts are listed as rejects with that reason, never ranked."""
-    roomy = machine_from(8, 8, memory_gib=80, peak_tflops=989)
-    plan = make_plan(_cfg(dict(MOE, moe_first_dense_layers=1)), roomy, SMALL)
+    roomy = machine_from(4, 4, memory_gib=80, peak_tflops=989)
+    space = SearchSpace(remat_policies=("none",), vpp_sizes=(), max_micro_batch_size=1, cp_comm_types=("p2p",))
+    plan = make_plan(_cfg(dict(MOE, moe_first_dense_layers=1)), roomy, space)
     assert plan.ranked and all(p.cfg.parallel.pp == 1 for p in plan.ranked)
     piped = [p for p in plan.rejected if p.cfg.parallel.pp > 1]
     assert piped and all(p.reject == UNMODELLED_STAGES for p in piped)
-    assert any(p.cfg.parallel.pp > 1 for p in make_plan(_cfg(MOE), roomy, SMALL).ranked)  # all-MoE stages: ranked
+    assert any(p.cfg.parallel.pp > 1 for p in make_plan(_cfg(MOE), roomy, space).ranked)  # all-MoE stages: ranked
 
 
 def test_state_bytes_match_a_hand_count_of_the_parameters():
