@@ -37,6 +37,7 @@ def test_expert_sizes_not_multiples_of_128_are_one_config_error_naming_the_flag(
     assert flag in str(err.value)
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_experts_report_their_amaxes_and_bf16_layers_nothing():
     """Blockwise reads no scale from experts/*/fp8_meta [layers, experts, 3] but reports the amaxes through its
     "gradient" as per-tensor FP8 does: max |w[e]| per expert exactly, one max |x| and one max |grad| for every expert

@@ -264,6 +264,7 @@ def test_bfloat16_matches_the_numpy_oracle(impl):
     check_against_oracle(result, x, ws, dys, sizes, "hybrid", jnp.bfloat16)
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_vmap_over_dispatch_groups_pallas_equals_the_reference():
     """x [B, M, K] bf16 with other group sizes per item (MoE's dispatch groups), w shared: the kernels and the
     reference read the same quantized values and differ only in the order of float32 sums, so results agree to a

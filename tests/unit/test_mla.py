@@ -166,6 +166,7 @@ def test_logical_axes_put_heads_on_tensor():
     assert "mla_up" in REMAT_NAMES
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_mla_model_gradients_are_finite_and_reach_every_projection():
     from mjax.model.transformer import CausalLM  # noqa: PLC0415
 

@@ -101,6 +101,7 @@ def _reference(params, batch, c):
     return main + c.mtp_loss_scaling_factor * sum(depths) / len(depths), main, depths
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_train_step_matches_the_unrolled_reference():
     cfg = tiny_config(model=MODEL, train=dict(global_batch_size=4, micro_batch_size=2, seq_length=16),
                       data=dict(reset_attention_mask=True, balance_attention_work=False),
@@ -134,6 +135,7 @@ def test_train_step_matches_the_unrolled_reference():
     assert all(np.abs(g).max() > 0 for g in mtp_grads)  # every MTP parameter learns
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_dense_mtp_blocks_after_an_moe_model_with_router_noise():
     """The MTP blocks take the last layer's kind: after a dense last layer they take no router keys, even when
     --moe_router_force_load_balancing draws keys for the model's MoE layers."""

@@ -81,6 +81,7 @@ def test_a_layout_that_does_not_fit_is_rejected_with_its_reason():
     assert times == sorted(times)
 
 
+@pytest.mark.slow  # a train step or a plan compiled: over 7 s on 2 cores
 def test_stages_of_different_dense_moe_patterns_are_rejected_not_ranked():
     """A dense first layer makes stage 0's pattern differ from the others' under --pp > 1: the memory model does not
     count those stages' slot copies, so such layouts are listed as rejects with that reason, never ranked."""
