@@ -27,7 +27,11 @@ LAYOUTS = {"tp2_dp4": (dict(tp=2), {}, None), "cp2_dp4": (dict(cp=2), {}, None),
            # mesh pipeline 2 x expert 2 x tensor 2 (data 1); 4 micro-batches of 2 sequences per expert rank, 1f1b
            "pp2_ep2_tp2_v3": (dict(pp=2, ep=2, tp=2), V3_ROUTER, 2),
            # one layer per virtual stage: virtual stage 0 dense, the other three MoE (slots dense, MoE)
-           "pp2_vpp2_dp2_tp2_interleaved_1f1b": (dict(pp=2, vpp=2, tp=2), {}, 4)}
+           "pp2_vpp2_dp2_tp2_interleaved_1f1b": (dict(pp=2, vpp=2, tp=2), {}, 4),
+           # the HF fixture's shape: 3 layers, dense then MoE MoE, stage 0 holding the dense one: the MoE stack's
+           # stored blocks (one layer per device) move to device 1, which runs both (slots dense, MoE, MoE)
+           "pp2_ep2_tp2_first1_3layers": (dict(pp=2, ep=2, tp=2, decoder_first_pipeline_num_layers=1),
+                                          dict(V3_ROUTER, num_layers=3), 2)}
 _REFERENCES = {}
 
 
