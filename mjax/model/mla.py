@@ -57,7 +57,11 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear((n, dv), (d,), in_axes=("heads", "head_dim"), out_axes=("embed",),
                              **dict(common, std=output_std(cfg)))
 
-    def _queries(self, x, positions):
+    def _rope(self, positions):
+        """cos, sin [B, T, dr / 2] of the decoupled RoPE dims, shared by the queries and the key."""
+        return rope_cos_sin(positions, rope_frequencies(self.cfg, self.cfg.qk_pos_emb_head_dim))
+
+    def _queries(self, x, cos, sin):
         """x [B, T, D] -> q [B, T, N, dn + dr]: RoPE on its last dr dims, YaRN's softmax factor folded in (the core
         attention scales by 1 / sqrt(dn + dr))."""
         cfg = self.cfg
@@ -67,16 +71,14 @@ class MLAttention(nnx.Module):
         else:
             q = self.q_up_proj(self.q_norm(self.q_down_proj(x)))  # [B, T, Rq] -> [B, T, N, dn + dr]
         q = checkpoint_name(constrain(q, HEADS), "mla_up")
-        cos, sin = rope_cos_sin(positions, rope_frequencies(cfg, cfg.qk_pos_emb_head_dim))  # [B, T, dr / 2]
         q_rope = rotate(q[..., dn:], cos, sin) * jnp.asarray(yarn_attention_factor(cfg), q.dtype)  # [B, T, N, dr]
         return jnp.concatenate([q[..., :dn], q_rope], axis=-1) * jnp.asarray(yarn_softmax_factor(cfg), q.dtype)
 
-    def _latent(self, x, positions):
+    def _latent(self, x, cos, sin):
         """x [B, T, D] -> (the normalised KV latent [B, T, c], the one RoPE key of all heads [B, T, dr])."""
         cfg = self.cfg
         c = cfg.kv_lora_rank
         latent = self.kv_down_proj(x)  # [B, T, c + dr]
-        cos, sin = rope_cos_sin(positions, rope_frequencies(cfg, cfg.qk_pos_emb_head_dim))
         k_rope = rotate(latent[:, :, None, c:], cos, sin)[:, :, 0]  # [B, T, 1, dr] -> [B, T, dr]
         return self.kv_norm(latent[..., :c]), k_rope * jnp.asarray(yarn_attention_factor(cfg), latent.dtype)
 
@@ -85,8 +87,9 @@ class MLAttention(nnx.Module):
         The up projections' outputs are named "mla_up" for --remat_save_names."""
         b, t, _ = x.shape
         n, dn, dr = self.cfg.num_attention_heads, self.cfg.qk_head_dim, self.cfg.qk_pos_emb_head_dim
-        q = self._queries(x, positions)
-        latent, k_rope = self._latent(x, positions)
+        rope = self._rope(positions)
+        q = self._queries(x, *rope)
+        latent, k_rope = self._latent(x, *rope)
         kv = checkpoint_name(constrain(self.kv_up_proj(latent), HEADS), "mla_up")  # [B, T, c] -> [B, T, N, dn + dv]
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope[:, :, None], (b, t, n, dr))],
                             axis=-1)  # [B, T, N, dn + dr]
@@ -116,10 +119,11 @@ class MLAttention(nnx.Module):
         sum_s p_s v_s = (sum_s p_s c_s) W_uv, so every head attends to one shared [c + dr] key and [c] value."""
         cfg = self.cfg
         dn, dr = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim
-        latent, k_rope = self._latent(x, positions)
+        rope = self._rope(positions)
+        latent, k_rope = self._latent(x, *rope)
         cache = {"latent": write_cache(cache["latent"], latent, positions[:, 0]),
                  "k_rope": write_cache(cache["k_rope"], k_rope, positions[:, 0])}
-        q = self._queries(x, positions)  # [B, T, N, dn + dr]
+        q = self._queries(x, *rope)  # [B, T, N, dn + dr]
         w = self.kv_up_proj.kernel[...].astype(q.dtype)  # [c, N, dn + dv]
         q_latent = jnp.einsum("btnd,cnd->btnc", q[..., :dn], w[..., :dn])  # [B, T, N, c]
         keys = jnp.concatenate([cache["latent"], cache["k_rope"]], axis=-1)[:, :, None]  # [B, S, 1, c + dr]
