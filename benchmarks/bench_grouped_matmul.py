@@ -52,6 +52,7 @@ from benchmarks.grouped_cases import fwd_and_bwd, group_sizes, operands, per_gro
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling)
+from mjax.kernels.grouped_matmul import mosaic  # noqa: E402
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
 from mjax.kernels.grouped_matmul.tiling import default_blockwise_tiling, kernel_tile_problem  # noqa: E402
 from benchmarks.harness import time_fn  # noqa: E402
@@ -62,6 +63,9 @@ flags.DEFINE_list("dists", ["balanced", "skewed", "empty"], "Row distributions o
                   "empty, padded (balanced over 7/8 of the rows, the rest padding).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
 flags.DEFINE_bool("main", True, "Time pallas, ragged_dot and the dense GEMM, forward and forward + backward.")
+flags.DEFINE_bool("mosaic", True, "Include the Mosaic GPU kernels (impl=mosaic) in the main table and --check "
+                  "(on a GPU only).")
+flags.DEFINE_enum("sweep_impl", "pallas", ["pallas", "mosaic"], "The 16-bit kernels --tilings sweeps.")
 flags.DEFINE_bool("ragged_dot", True, "Include lax.ragged_dot in the main table (a dense expansion on the GPU).")
 flags.DEFINE_string("tilings", "", "Comma-separated KernelTiles (BMxBNxBKwWARPSsSTAGES[gGROUP]) to time each kernel "
                     "with; prints the best per shape.")
@@ -103,6 +107,8 @@ def main_rows(shape, dists, dense):
     dtype = jnp.dtype(FLAGS.dtype)
     x, w, dy = operands(g, r, n, k, dtype)
     impls = [("pallas", lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))]
+    if use_mosaic():
+        impls.append(("mosaic", lambda x, w, gs: grouped_matmul(x, w, gs, impl="mosaic")))
     if FLAGS.ragged_dot:
         impls.append(("ragged_dot", lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla")))
     if FLAGS.fp8:
@@ -130,6 +136,10 @@ def main_rows(shape, dists, dense):
             print_row(row)
     rows += fp8_kernel_rows(shape, dists, dense) if FLAGS.fp8 else []
     return rows + (blockwise_kernel_rows(shape, dists, dense) if blockwise else [])
+
+
+def use_mosaic() -> bool:
+    return FLAGS.mosaic and jax.default_backend() == "gpu"
 
 
 @functools.cache
@@ -268,6 +278,14 @@ def sweep_rows(shape, dists, tiles, dense):
                                  (dy, w)),
              "wgrad": lambda t: (jax.jit(lambda x, dy, gs: kernels.wgrad(x, dy, gs, tile=t, interpret=interpret)),
                                  (x, dy))}
+    if FLAGS.sweep_impl == "mosaic":
+        num_sms = jax.devices()[0].core_count
+        calls = {"forward": lambda t: (jax.jit(lambda x, w, gs: mosaic.forward(x, w, gs, tile=t, num_sms=num_sms)),
+                                       (x, w)),
+                 "dgrad": lambda t: (jax.jit(lambda dy, w, gs: mosaic.dgrad(dy, w, gs, tile=t, num_sms=num_sms)),
+                                     (dy, w)),
+                 "wgrad": lambda t: (jax.jit(lambda x, dy, gs: mosaic.wgrad(x, dy, gs, tile=t, num_sms=num_sms)),
+                                     (x, dy))}
     if FLAGS.fp8:  # the FP8 kernels on operands quantized once
         q = fp8_cases.operands(x, w, dy, fp8_spec())
         def fp8_call(kernel, tile):
@@ -289,7 +307,8 @@ def sweep_rows(shape, dists, tiles, dense):
     for kernel, make in calls.items():
         scores = {}
         for tile in tiles:
-            problem = (fp8_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8 else
+            problem = (mosaic.mosaic_tile_problem(kernel, tile, k, n) if FLAGS.sweep_impl == "mosaic" else
+                       fp8_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8 else
                        bw_cases.tile_problem(kernel, tile, k, n) if FLAGS.fp8_blockwise else
                        kernel_tile_problem(kernel, tile, dtype, k, n))
             if problem:
@@ -329,6 +348,8 @@ def check_rows(shape, dists):
     else:
         _, pallas_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))
         _, ragged_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla"))
+    if use_mosaic() and not FLAGS.fp8:
+        _, mosaic_both = fwd_and_bwd(lambda x, w, gs: grouped_matmul(x, w, gs, impl="mosaic"))
     blockwise = FLAGS.fp8_blockwise and blockwise_runs(shape)
     if blockwise:  # against the float32 dequantize + ragged_dot of the same block-quantized values
         _, blockwise_pallas = fwd_and_bwd(bw_cases.training_call(FLAGS.fp8_format))
@@ -347,6 +368,9 @@ def check_rows(shape, dists):
             if FLAGS.ragged_dot:
                 refs["ragged_dot"] = ragged_both
         checks = [(got, refs)]
+        if use_mosaic() and not FLAGS.fp8:
+            checks.append(([np.asarray(a, np.float32) for a in mosaic_both(x, w, gs, dy)],
+                           {f"{name} (mosaic)": ref for name, ref in refs.items()}))
         if blockwise:
             checks.append(([np.asarray(a, np.float32) for a in blockwise_pallas(x, w, gs, dy)],
                            {"blockwise reference (xla)": blockwise_ref}))

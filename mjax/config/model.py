@@ -10,7 +10,7 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 MOE_DROP_POLICIES = ("probs", "position")
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
-MOE_GROUPED_GEMM_IMPLS = ("auto", "pallas", "xla")
+MOE_GROUPED_GEMM_IMPLS = ("auto", "pallas", "mosaic", "xla")
 MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
 MOE_ALLTOALL_IMPLS = ("auto", "ragged", "padded")
 # Remat names of the MoE layer's intermediate results (mjax/model/moe.py), for --remat_save_names.

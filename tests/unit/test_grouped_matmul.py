@@ -243,7 +243,7 @@ def test_auto_on_gpu_raises_naming_the_flag_instead_of_falling_back(facts, reaso
 
 
 def test_unknown_impl_and_an_untileable_explicit_pallas_call_raise_naming_the_flag():
-    assert set(IMPLS) == {"auto", "pallas", "xla"}
+    assert set(IMPLS) == {"auto", "pallas", "mosaic", "xla"}
     with pytest.raises(GroupedMatmulUnsupported, match="--moe_grouped_gemm_impl='cutlass' is not one of"):
         choose_impl("cutlass", backend="gpu", **FACTS)
     x, w, gs, _ = _inputs([3, 5], 8, jnp.float32)
@@ -268,7 +268,7 @@ def test_tiles_parse_print_and_validate():
     assert (tile.block_m, tile.block_n, tile.block_k, tile.num_warps, tile.num_stages, tile.group_m) == \
         (128, 256, 64, 8, 3, 8)
     assert KernelTile.parse(str(KernelTile(64, 128, 32, 4, 5, 4))) == KernelTile(64, 128, 32, 4, 5, 4)
-    for bad in ("128x128", "128x128x64", "96x128x64w4s3"):
+    for bad in ("128x128", "128x128x64", "100x128x64w4s3"):
         with pytest.raises(ValueError):
             KernelTile.parse(bad)
 

@@ -21,6 +21,7 @@ weight blocks, K and N multiples of 128; meta is not read, its cotangent reports
 impl (the flag --moe_grouped_gemm_impl):
     xla     jax.lax.ragged_dot (reference.py); gradients by autodiff. Dense expansion on the GPU image.
     pallas  the Triton kernels (pallas.py): forward, dgrad and wgrad; interpreted off GPU.
+    mosaic  the Mosaic GPU kernels (mosaic.py: TMA, wgmma; Hopper only, bfloat16 / float16, 16-bit calls only).
     auto    pallas on a GPU, xla elsewhere. On a GPU a call the kernels cannot take raises GroupedMatmulUnsupported
             (never a silent fall back to the dense expansion); set --moe_grouped_gemm_impl=xla for that on purpose.
 """
@@ -33,7 +34,8 @@ import jax.numpy as jnp
 
 from mjax.kernels.grouped_matmul.reference import grouped_matmul_reference
 from mjax.kernels.grouped_matmul.tiling import (DTYPES, KernelTile, Tiling, blockwise_tiling_problem,
-                                                default_blockwise_tiling, default_fp8_tiling, default_tiling,
+                                                default_blockwise_tiling, default_fp8_tiling,
+                                                default_mosaic_tiling, default_tiling,
                                                 fp8_tiling_problem, tiling_problem)
 
 __all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "blockwise_grouped_matmul", "choose_impl",
@@ -41,7 +43,7 @@ __all__ = ["IMPLS", "GroupedMatmulUnsupported", "KernelTile", "Tiling", "blockwi
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("auto", "pallas", "xla")
+IMPLS = ("auto", "pallas", "mosaic", "xla")
 FLAG = "--moe_grouped_gemm_impl"
 # Pallas-Triton computes element offsets in int32. Checked per call; under jax.vmap a batched operand is indexed as
 # one array, so B times an operand must stay below this too (the call itself sees one item's shapes).
@@ -71,6 +73,9 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
     blockwise: the blockwise FP8 kernels (fp8_blockwise_pallas.py; `tiling` None: their defaults)."""
     if impl == "xla":
         return None
+    if impl == "mosaic":
+        return _mosaic_problem(backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, fp8_grad=fp8_grad,
+                               blockwise=blockwise)
     if impl == "pallas":
         del backend  # off GPU the kernels run interpreted, with the same limits
         dtype = jnp.dtype(dtype)
@@ -97,6 +102,25 @@ def why_unsupported(impl: str, *, backend: str, dtype, k: int, n: int, tiling: T
             return f"pallas tiles K and N in whole blocks of at least 16; K={k}, N={n} are not multiples of 16"
         return tiling_problem(chosen, dtype, k, n)
     raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
+
+
+def _mosaic_problem(*, backend, dtype, k, n, tiling, fp8_grad, blockwise) -> str | None:
+    from mjax.kernels.grouped_matmul.mosaic import MOSAIC_DTYPES, mosaic_tile_problem  # noqa: PLC0415
+
+    if backend != "gpu":
+        return f"mosaic runs only on a GPU (Hopper), not on {backend} (it has no interpreter)"
+    if fp8_grad is not None or blockwise:
+        return "mosaic has no FP8 kernels; the FP8 recipes run on pallas"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
+        return f"mosaic takes bfloat16 or float16 inputs, not {jnp.dtype(dtype)}"
+    chosen = tiling or default_mosaic_tiling(k, n)
+    if chosen is None:
+        return f"mosaic tiles K and N in whole blocks of 64; K={k}, N={n} are not multiples of 64"
+    for kernel in ("forward", "dgrad", "wgrad"):
+        reason = mosaic_tile_problem(kernel, getattr(chosen, kernel), k, n)
+        if reason:
+            return reason
+    return None
 
 
 def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
@@ -146,6 +170,11 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
     _log_choice(impl, chosen, (m, k), tuple(w.shape), str(x.dtype))
     if chosen == "xla":
         return grouped_matmul_reference(x, w, group_sizes)
+    if chosen == "mosaic":
+        from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic  # noqa: PLC0415
+
+        return grouped_matmul_mosaic(x, w, group_sizes.astype(jnp.int32), tiling or default_mosaic_tiling(k, n),
+                                     jax.devices()[0].core_count)
     from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas  # noqa: PLC0415  (import only when chosen)
 
     return grouped_matmul_pallas(x, w, group_sizes.astype(jnp.int32), resolve_tiling(tiling, x.dtype, k, n),

@@ -41,8 +41,8 @@ class KernelTile:
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"KernelTile.{name}={value} must be a power of two >= 16 (Triton tiles)")
+            if value < 16 or value % 16:
+                raise ValueError(f"KernelTile.{name}={value} must be a multiple of 16")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.group_m < 1:
             raise ValueError(f"KernelTile {self}: num_warps must be a power of two <= 16, num_stages and group_m "
                              ">= 1")
@@ -148,6 +148,8 @@ def kernel_tile_problem(kernel: str, tile: KernelTile, dtype, k: int, n: int) ->
             "wgrad": (("K", k), ("N", n), None)}[kernel]
     for field, dim in zip(("block_m", "block_n", "block_k"), dims):
         block = getattr(tile, field)
+        if block & (block - 1):
+            return f"the Triton {kernel} tile {tile} needs {field}={block} to be a power of two"
         if dim is not None and dim[1] % block:
             return f"the {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
     itemsize = jnp.dtype(dtype).itemsize
@@ -164,6 +166,20 @@ def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
         if reason:
             return reason
     return None
+
+
+def default_mosaic_tiling(k: int, n: int) -> Tiling | None:
+    """Tiles of the Mosaic GPU kernels (mosaic.py), None unless K and N are multiples of 64: 128-row tiles as wide
+    as one warpgroup's accumulator allows (192 columns where they divide, else 128, else 64), 64 deep, 4 stages."""
+    if k % 64 or n % 64:
+        return None
+
+    def tile(rows: int, cols: int) -> KernelTile:
+        bn = next(b for b in (192, 128, 64) if cols % b == 0)
+        bm = 128 if rows % 128 == 0 else 64
+        return KernelTile(bm, bn, 64, num_warps=4, num_stages=4, group_m=4)
+
+    return Tiling(forward=tile(128, n), dgrad=tile(128, k), wgrad=tile(k, n))
 
 
 BLOCKWISE_DEPTH = 128  # --fp8_recipe=blockwise: one 1x128 / 128x128 block scale per depth step

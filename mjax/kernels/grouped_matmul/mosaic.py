@@ -1,0 +1,236 @@
+"""Grouped matmul on Hopper in Pallas Mosaic GPU: TMA loads into swizzled shared memory, wgmma, one persistent
+program per SM walking the output tiles. Forward, input gradient (dgrad) and weight gradient (wgrad) behind a
+custom_vjp, float32 accumulation; bfloat16 / float16 operands. GPU only (no interpreter): the CPU tests lower it.
+
+    y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms)
+
+Forward and dgrad walk the visits of `schedule.row_tiles` (the Triton kernels' work list) times column blocks:
+every row block is loaded whole by TMA (rows outside the visited segment are multiplied but never stored), and the
+visited segment's rows are stored from shared memory as a sum of power-of-two row slices (a TMA copy needs static
+shapes and the row count is known only at run time). dgrad reads w[g] as [K, N] tiles and hands wgmma their
+transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
+in aligned block_k chunks (a run-time trip count) and zeroes the rows of the first and last chunk that belong to
+another group or to the padding, in both operands (the padding may hold non-finite values).
+
+A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
+num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
+num_warps is 4 (one warpgroup computes the tile). `mosaic_tile_problem` checks a tile.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.tiling import KernelTile, Tiling
+
+MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
+# One warpgroup holds the float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 255 there are.
+MAX_TILE_ELEMENTS = 128 * 192
+
+
+def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | None:
+    """None if `tile` fits kernel ("forward", "dgrad" or "wgrad") of x [M, K] . w [G, K, N], else the reason."""
+    dims = {"forward": (None, ("N", n), ("K", k)), "dgrad": (None, ("K", k), ("N", n)),
+            "wgrad": (("K", k), ("N", n), None)}[kernel]
+    for field, dim in zip(("block_m", "block_n", "block_k"), dims):
+        block = getattr(tile, field)
+        if dim is not None and dim[1] % block:
+            return f"the Mosaic GPU {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
+    if tile.block_m % 64 or tile.block_n % 64 or tile.block_k % 64:
+        return f"the Mosaic GPU {kernel} tile {tile} must have block_m, block_n and block_k multiples of 64 (wgmma)"
+    if tile.block_m * tile.block_n > MAX_TILE_ELEMENTS:
+        return (f"the Mosaic GPU {kernel} tile {tile} holds {tile.block_m * tile.block_n} accumulator elements in one "
+                f"warpgroup's registers (at most {MAX_TILE_ELEMENTS})")
+    if tile.num_warps != 4:
+        return f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup)"
+    return None
+
+
+def _store_rows(acc, out_gmem, row0, first, count, col0, tile: KernelTile):
+    """Stores rows [first, first + count) of the block at row0 (count <= block_m, a run-time value) from acc."""
+    bm, bn = tile.block_m, tile.block_n
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_gmem.dtype))
+    def _(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        offset = first
+        size = 1 << (bm.bit_length() - 1)
+        while size:  # count = the sum of its set bits: one static-shape TMA copy per bit, in order
+            @pl.when(count & size != 0)
+            def _(size=size, offset=offset):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)],
+                                        out_gmem.at[pl.ds(row0 + offset, size), pl.ds(col0, bn)])
+
+            offset = offset + (count & size)
+            size //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int):
+    """out [M, C] = a [M, D] . w[g] [D, C] per group (transpose_w: w[g] [C, D] contracted transposed); zero rows
+    past sum(group_sizes)."""
+    rows, depth = a.shape
+    groups = w.shape[0]
+    cols = w.shape[1] if transpose_w else w.shape[2]
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    visits = row_tiles(group_sizes, rows, bm)  # [4, T]
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), cols // bn
+
+    def body(visits_gmem, a_gmem, w_gmem, out_gmem):
+        @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
+        def _(loop_info: plgpu.NDLoopInfo):
+            t, j = plgpu.planar_snake(loop_info.index[0], (n_visits, n_col_blocks), 1, tile.group_m)
+            seg, block, first, last = (visits_gmem[i, t] for i in range(4))
+            w_g = w_gmem.at[jnp.minimum(seg, groups - 1)]
+
+            def acc_scope(acc_ref):
+                def step(_, a_smem, w_smem):
+                    plgpu.wgmma(acc_ref, a_smem, w_smem.transpose((1, 0)) if transpose_w else w_smem)
+
+                @pl.when(seg < groups)  # the padding segment keeps the zero accumulator
+                def _():
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(depth // bk,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda d: (block, d), delay_release=1),
+                            plgpu.BlockSpec((bn, bk), lambda d: (j, d), delay_release=1) if transpose_w
+                            else plgpu.BlockSpec((bk, bn), lambda d: (d, j), delay_release=1),
+                        ],
+                        max_concurrent_steps=tile.num_stages,
+                    )(a_gmem, w_g)
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @pl.when(seg <= groups)  # unused visits store nothing
+            def _():
+                row0 = block * bm
+                _store_rows(acc, out_gmem, row0, first - row0, last - first, j * bn, tile)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((rows, cols), a.dtype), grid=(num_sms,), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(visits, a, w)
+
+
+def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
+    """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group."""
+    (rows, k), n = x.shape, dy.shape[1]
+    groups = group_sizes.shape[0]
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    starts, ends = group_bounds(group_sizes, rows)
+    block_starts = starts // bk * bk
+    chunks = jnp.where(ends > starts, (ends + bk - 1) // bk - starts // bk, 0)
+    bounds = jnp.stack([starts, ends, block_starts, chunks])  # [4, G]
+    n_k_blocks, n_n_blocks = k // bm, n // bn
+    # Every tile's minor dimension is a multiple of 64 elements: 128-byte rows, the widest swizzle.
+    swizzle = plgpu.find_swizzle(64 * jnp.dtype(x.dtype).itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x.dtype).itemsize)),
+                  plgpu.SwizzleTransform(swizzle))
+
+    def body(bounds_gmem, x_gmem, dy_gmem, dw_gmem):
+        @plgpu.nd_loop((groups, n_k_blocks * n_n_blocks), collective_axes="sm")
+        def _(loop_info: plgpu.NDLoopInfo):
+            g = loop_info.index[0]
+            i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
+            start, end, block_start, n_chunks = (bounds_gmem[r, g] for r in range(4))
+            head = lax.rem(start, bk)  # rows of the first chunk before the group
+            tail = lax.rem(end, bk)  # rows of the last chunk in the group (0: all of them)
+
+            def keep_rows(ref, keep):
+                rows_ids = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+                ref[...] = ref[...] * keep(rows_ids).astype(ref.dtype)
+                plgpu.commit_smem()
+
+            def acc_scope(acc_ref):
+                def step(c, x_smem, dy_smem):
+                    c = c[0]
+
+                    @pl.when((c == 0) & (head != 0))
+                    def _():
+                        keep_rows(x_smem, lambda r: r >= head)
+                        keep_rows(dy_smem, lambda r: r >= head)
+
+                    @pl.when((c == n_chunks - 1) & (tail != 0))
+                    def _():
+                        keep_rows(x_smem, lambda r: r < tail)
+                        keep_rows(dy_smem, lambda r: r < tail)
+
+                    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn] -> [bm, bn]
+
+                @pl.when(n_chunks > 0)
+                def _():
+                    group_rows = pl.ds(pl.multiple_of(block_start, bk), rows)  # may run past M: never read there
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(n_chunks,),
+                        in_specs=[plgpu.BlockSpec((bk, bm), lambda c: (c, i), delay_release=1,
+                                                  transforms=transforms),
+                                  plgpu.BlockSpec((bk, bn), lambda c: (c, j), delay_release=1,
+                                                  transforms=transforms)],
+                        max_concurrent_steps=tile.num_stages,
+                    )(x_gmem.at[group_rows, :], dy_gmem.at[group_rows, :])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=dw_gmem.dtype,
+                                                                  transforms=transforms))
+            def _(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, dw_gmem.at[g, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((groups, k, n), x.dtype), grid=(num_sms,), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(bounds, x, dy)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
+def forward(x, w, group_sizes, *, tile: KernelTile, num_sms: int):
+    """y [M, N] = x [M, K] . w[g] [K, N] per group, zero rows past sum(group_sizes); y in x.dtype."""
+    return _row_block_matmul(x, w, group_sizes, tile=tile, transpose_w=False, num_sms=num_sms)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
+def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int):
+    """dx [M, K] = dy [M, N] . w[g]^T per group, zero rows past sum(group_sizes); dx in dy.dtype."""
+    return _row_block_matmul(dy, w, group_sizes, tile=tile, transpose_w=True, num_sms=num_sms)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
+def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
+    """dw [G, K, N] = x_g^T dy_g per group (zeros for empty groups), in x.dtype."""
+    return _wgrad(x, dy, group_sizes, tile=tile, num_sms=num_sms)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):
+    """The differentiable grouped matmul; see the module docstring. Shapes and tiling are checked by the caller."""
+    return forward(x, w, group_sizes, tile=tiling.forward, num_sms=num_sms)
+
+
+def _fwd(x, w, group_sizes, tiling, num_sms):
+    return grouped_matmul_mosaic(x, w, group_sizes, tiling, num_sms), (x, w, group_sizes)
+
+
+def _bwd(tiling, num_sms, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = dgrad(dy, w, group_sizes, tile=tiling.dgrad, num_sms=num_sms)
+    dw = wgrad(x, dy, group_sizes, tile=tiling.wgrad, num_sms=num_sms).astype(w.dtype)
+    return dx, dw, None
+
+
+grouped_matmul_mosaic.defvjp(_fwd, _bwd)
