@@ -16,7 +16,8 @@ class ExecutionConfig:
                                     "reference (whole fp32 logits) | fused (output layer + loss in sequence chunks).")
     cross_entropy_chunk: int = field(1024, "cross_entropy_chunk", "Sequence positions per chunk when fused.")
     moe_grouped_gemm_impl: str = field("auto", "moe_grouped_gemm_impl",
-                                       "auto | pallas | mosaic | xla: the MoE expert GEMMs (auto: pallas on a GPU).")
+                                       "auto | pallas | mosaic | xla: the MoE expert GEMMs (auto: mosaic on "
+                                       "Hopper, else pallas, on a GPU).")
     moe_alltoall_impl: str = field("auto", "moe_alltoall_impl",
                                    "auto | ragged | padded: the alltoall dispatcher's exchange (auto: ragged on a GPU).")
     remat_policy: str = field("none", "remat_policy", "none | selective | full: activation recomputation.")

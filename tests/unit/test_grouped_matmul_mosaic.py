@@ -29,14 +29,17 @@ def test_mosaic_runs_only_on_a_gpu_and_only_16_bit_calls():
 def test_default_tiles_and_tile_problems():
     t = default_mosaic_tiling(2048, 768)
     assert (t.forward.block_m, t.forward.block_n, t.dgrad.block_n, t.wgrad.block_m, t.wgrad.block_n) == \
-        (128, 192, 128, 128, 192)
-    t = default_mosaic_tiling(4096, 14336)  # Mixtral: 14336 = 112 x 128, no multiple of 192
-    assert (t.forward.block_n, t.wgrad.block_n) == (128, 128)
-    assert default_mosaic_tiling(2048, 1408).forward.block_n == 128  # DeepSeek-MoE: 1408 = 11 x 128
-    assert default_mosaic_tiling(2048, 1472).forward.block_n == 64  # 23 x 64
+        (128, 192, 192, 128, 192)  # dgrad: 2048 columns in 11 tiles of 192, the last one partial
+    t = default_mosaic_tiling(4096, 14336)  # Mixtral: 14336 = 74 2/3 x 192
+    assert (t.forward.block_n, t.dgrad.block_n, t.wgrad.block_n) == (192, 192, 128)
+    assert default_mosaic_tiling(256, 320).forward.block_n == 192  # 2 x 192: 5/6 used, reuse 0.6 vs 0.5 at 128
+    assert default_mosaic_tiling(256, 320).wgrad.block_n == 64
+    assert default_mosaic_tiling(2048, 1472).wgrad.block_n == 64  # 23 x 64
     assert "accumulator" in mosaic_tile_problem("forward", KernelTile(128, 256, 64, 4, 4), 2048, 768)
     assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 8, 4), 2048, 768)
-    assert "multiple of block_n" in mosaic_tile_problem("dgrad", KernelTile(128, 192, 64, 4, 4), 2048, 768)
+    assert mosaic_tile_problem("dgrad", KernelTile(128, 192, 64, 4, 4), 2048, 768) is None  # a partial last tile
+    assert "multiple of block_n" in mosaic_tile_problem("wgrad", KernelTile(128, 192, 64, 4, 4), 2048, 640)
+    assert "multiple of block_k" in mosaic_tile_problem("dgrad", KernelTile(128, 128, 128, 4, 4), 2048, 704)
     assert "multiples of 64" in mosaic_tile_problem("forward", KernelTile(128, 96, 64, 4, 4), 2048, 768)
 
 
@@ -52,11 +55,22 @@ def _mosaic_calls(rows, k, n, groups, dtype, tiling):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("rows", [1024, 1000])  # whole 128-row blocks, and a last block past the array
+@pytest.mark.parametrize("rows", [1024, 1000, 777])  # whole row blocks, a block past the array, rows padded to 8
 def test_forward_dgrad_and_wgrad_lower_for_cuda(dtype, rows):
-    assert _mosaic_calls(rows, 256, 384, 5, dtype, default_mosaic_tiling(256, 384)) == 3
+    tiling = default_mosaic_tiling(320, 384)  # dgrad: 320 columns in two 192-wide tiles, the last one partial
+    assert tiling.dgrad.block_n == 192
+    assert _mosaic_calls(rows, 320, 384, 5, dtype, tiling) == 3
 
 
 def test_other_tiles_lower_too():
     tiling = Tiling(KernelTile(64, 64, 64, 4, 3, 1), KernelTile(128, 64, 128, 4, 2, 2), KernelTile(64, 128, 64, 4, 5, 8))
     assert _mosaic_calls(1000, 256, 128, 3, jnp.bfloat16, tiling) == 3
+
+
+def test_auto_takes_mosaic_on_hopper_for_the_calls_it_tiles_and_pallas_otherwise():
+    assert choose_impl("auto", backend="gpu", hopper=True, **FACTS) == "mosaic"
+    assert choose_impl("auto", backend="gpu", hopper=False, **FACTS) == "pallas"
+    assert choose_impl("auto", backend="gpu", hopper=True, **{**FACTS, "dtype": jnp.float32}) == "pallas"
+    assert choose_impl("auto", backend="gpu", hopper=True, **FACTS, fp8_grad=jnp.float8_e5m2) == "pallas"
+    assert choose_impl("auto", backend="gpu", hopper=True, **{**FACTS, "n": 96}) == "pallas"
+    assert choose_impl("auto", backend="cpu", hopper=False, **FACTS) == "xla"

@@ -22,7 +22,9 @@ impl (the flag --moe_grouped_gemm_impl):
     xla     jax.lax.ragged_dot (reference.py); gradients by autodiff. Dense expansion on the GPU image.
     pallas  the Triton kernels (pallas.py): forward, dgrad and wgrad; interpreted off GPU.
     mosaic  the Mosaic GPU kernels (mosaic.py: TMA, wgmma; Hopper only, bfloat16 / float16, 16-bit calls only).
-    auto    pallas on a GPU, xla elsewhere. On a GPU a call the kernels cannot take raises GroupedMatmulUnsupported
+    auto    on a Hopper GPU mosaic for the 16-bit calls it can tile, else pallas; pallas on other GPUs; xla
+            elsewhere (mosaic measured faster than pallas in all but one of the forward + backward cases of
+            docs/moe.md, and moe-small trains faster on it). On a GPU a call the kernels cannot take raises GroupedMatmulUnsupported
             (never a silent fall back to the dense expansion); set --moe_grouped_gemm_impl=xla for that on purpose.
 """
 
@@ -124,9 +126,11 @@ def _mosaic_problem(*, backend, dtype, k, n, tiling, fp8_grad, blockwise) -> str
 
 
 def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tiling | None = None,
-                m: int | None = None, groups: int | None = None, fp8_grad=None, blockwise: bool = False) -> str:
-    """The implementation `impl` resolves to on `backend`: auto is pallas on a GPU (raising when the kernels cannot
-    take the call) and xla elsewhere; an explicit choice is checked, never replaced."""
+                m: int | None = None, groups: int | None = None, fp8_grad=None, blockwise: bool = False,
+                hopper: bool = False) -> str:
+    """The implementation `impl` resolves to on `backend`: auto is mosaic on a Hopper GPU (`hopper`) for a call it
+    can take, else pallas on a GPU (raising when the kernels cannot take the call), and xla elsewhere; an explicit
+    choice is checked, never replaced. A `tiling` given with auto is a Triton tiling: auto then picks pallas."""
     if impl not in IMPLS:
         raise GroupedMatmulUnsupported(f"{FLAG}={impl!r} is not one of {', '.join(IMPLS)}")
     facts = dict(backend=backend, dtype=dtype, k=k, n=n, tiling=tiling, m=m, groups=groups, fp8_grad=fp8_grad,
@@ -134,6 +138,8 @@ def choose_impl(impl: str, *, backend: str, dtype, k: int, n: int, tiling: Tilin
     if impl == "auto":
         if backend != "gpu":
             return "xla"
+        if hopper and tiling is None and why_unsupported("mosaic", **facts) is None:
+            return "mosaic"
         reason = why_unsupported("pallas", **facts)
         if reason:
             raise GroupedMatmulUnsupported(
@@ -166,7 +172,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
     _check_operands(x, w, group_sizes)
     (m, k), n = x.shape, w.shape[2]
     backend = jax.default_backend()
-    chosen = choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=n, tiling=tiling, m=m, groups=w.shape[0])
+    chosen = choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=n, tiling=tiling, m=m, groups=w.shape[0],
+                         hopper=_is_hopper())
     _log_choice(impl, chosen, (m, k), tuple(w.shape), str(x.dtype))
     if chosen == "xla":
         return grouped_matmul_reference(x, w, group_sizes)
@@ -257,6 +264,12 @@ def blockwise_grouped_matmul(x, w, group_sizes, meta, fp8_format: str = "hybrid"
     ys = grouped_blockwise(x, ws, group_sizes.astype(jnp.int32), tuple(jnp.asarray(mi, jnp.float32) for mi in metas),
                            plan)
     return ys if many else ys[0]
+
+
+def _is_hopper() -> bool:
+    """Whether the default device is an NVIDIA GPU of compute capability 9.x (wgmma; mosaic's kernels)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "0")).startswith("9")
 
 
 @functools.cache

@@ -35,7 +35,9 @@ MAX_TILE_ELEMENTS = 128 * 192
 
 def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | None:
     """None if `tile` fits kernel ("forward", "dgrad" or "wgrad") of x [M, K] . w [G, K, N], else the reason."""
-    dims = {"forward": (None, ("N", n), ("K", k)), "dgrad": (None, ("K", k), ("N", n)),
+    # Forward and dgrad may end in a partial column tile (TMA zero-fills the loads past the array and clips the
+    # stores; an output column depends only on its own weight column), so only their depth must be whole blocks.
+    dims = {"forward": (None, None, ("K", k)), "dgrad": (None, None, ("N", n)),
             "wgrad": (("K", k), ("N", n), None)}[kernel]
     for field, dim in zip(("block_m", "block_n", "block_k"), dims):
         block = getattr(tile, field)
@@ -80,7 +82,7 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     visits = row_tiles(group_sizes, rows, bm)  # [4, T]
-    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), cols // bn
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
 
     def body(visits_gmem, a_gmem, w_gmem, out_gmem):
         @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
@@ -147,7 +149,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
             def keep_rows(ref, keep):
                 rows_ids = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-                ref[...] = ref[...] * keep(rows_ids).astype(ref.dtype)
+                ref[...] = jnp.where(keep(rows_ids), ref[...], jnp.zeros(ref.shape, ref.dtype))  # NaN * 0 is NaN
                 plgpu.commit_smem()
 
             def acc_scope(acc_ref):
@@ -215,14 +217,27 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     return _wgrad(x, dy, group_sizes, tile=tile, num_sms=num_sms)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):
-    """The differentiable grouped matmul; see the module docstring. Shapes and tiling are checked by the caller."""
+    """The differentiable grouped matmul; see the module docstring. Shapes and tiling are checked by the caller.
+    A row count that is no multiple of 8 is padded up to one (the TMA copies' row tiling): the added rows are
+    padding rows, and they are cut off again."""
+    rows = x.shape[0]
+    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    if padded == rows:
+        return _grouped(x, w, group_sizes, tiling, num_sms)
+    return _grouped(jnp.pad(x, ((0, padded - rows), (0, 0))), w, group_sizes, tiling, num_sms)[:rows]
+
+
+ROW_MULTIPLE = 8
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, group_sizes, tiling: Tiling, num_sms: int):
     return forward(x, w, group_sizes, tile=tiling.forward, num_sms=num_sms)
 
 
 def _fwd(x, w, group_sizes, tiling, num_sms):
-    return grouped_matmul_mosaic(x, w, group_sizes, tiling, num_sms), (x, w, group_sizes)
+    return _grouped(x, w, group_sizes, tiling, num_sms), (x, w, group_sizes)
 
 
 def _bwd(tiling, num_sms, residuals, dy):
@@ -233,4 +248,4 @@ def _bwd(tiling, num_sms, residuals, dy):
     return dx, dw, None
 
 
-grouped_matmul_mosaic.defvjp(_fwd, _bwd)
+_grouped.defvjp(_fwd, _bwd)
