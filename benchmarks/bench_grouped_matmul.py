@@ -63,9 +63,9 @@ flags.DEFINE_list("dists", ["balanced", "skewed", "empty"], "Row distributions o
                   "empty, padded (balanced over 7/8 of the rows, the rest padding).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
 flags.DEFINE_bool("main", True, "Time pallas, ragged_dot and the dense GEMM, forward and forward + backward.")
-flags.DEFINE_bool("mosaic", True, "Include the Mosaic GPU kernels (impl=mosaic) in the main table and --check "
-                  "(on a GPU only).")
-flags.DEFINE_enum("sweep_impl", "pallas", ["pallas", "mosaic"], "The 16-bit kernels --tilings sweeps.")
+flags.DEFINE_bool("mosaic", True, "Include the Mosaic GPU kernels in the main table and --check (on a GPU).")
+flags.DEFINE_enum("sweep_impl", "pallas", ["pallas", "mosaic"], "The 16-bit kernels --tilings sweeps (Triton or "
+                  "Mosaic GPU).")
 flags.DEFINE_bool("ragged_dot", True, "Include lax.ragged_dot in the main table (a dense expansion on the GPU).")
 flags.DEFINE_string("tilings", "", "Comma-separated KernelTiles (BMxBNxBKwWARPSsSTAGES[gGROUP]) to time each kernel "
                     "with; prints the best per shape.")
@@ -271,21 +271,12 @@ def sweep_rows(shape, dists, tiles, dense):
     g, r, n, k = shape
     dtype = jnp.dtype(FLAGS.dtype)
     x, w, dy = operands(g, r, n, k, dtype)
-    interpret = jax.default_backend() != "gpu"
-    calls = {"forward": lambda t: (jax.jit(lambda x, w, gs: kernels.forward(x, w, gs, tile=t, interpret=interpret)),
-                                   (x, w)),
-             "dgrad": lambda t: (jax.jit(lambda dy, w, gs: kernels.dgrad(dy, w, gs, tile=t, interpret=interpret)),
-                                 (dy, w)),
-             "wgrad": lambda t: (jax.jit(lambda x, dy, gs: kernels.wgrad(x, dy, gs, tile=t, interpret=interpret)),
-                                 (x, dy))}
-    if FLAGS.sweep_impl == "mosaic":
-        num_sms = jax.devices()[0].core_count
-        calls = {"forward": lambda t: (jax.jit(lambda x, w, gs: mosaic.forward(x, w, gs, tile=t, num_sms=num_sms)),
-                                       (x, w)),
-                 "dgrad": lambda t: (jax.jit(lambda dy, w, gs: mosaic.dgrad(dy, w, gs, tile=t, num_sms=num_sms)),
-                                     (dy, w)),
-                 "wgrad": lambda t: (jax.jit(lambda x, dy, gs: mosaic.wgrad(x, dy, gs, tile=t, num_sms=num_sms)),
-                                     (x, dy))}
+    module, option = ((mosaic, {"num_sms": jax.devices()[0].core_count}) if FLAGS.sweep_impl == "mosaic" else
+                      (kernels, {"interpret": jax.default_backend() != "gpu"}))
+    operand_pairs = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}
+    calls = {kernel: (lambda t, kernel=kernel: (
+        jax.jit(lambda a, b, gs: getattr(module, kernel)(a, b, gs, tile=t, **option)), operand_pairs[kernel]))
+        for kernel in operand_pairs}
     if FLAGS.fp8:  # the FP8 kernels on operands quantized once
         q = fp8_cases.operands(x, w, dy, fp8_spec())
         def fp8_call(kernel, tile):
