@@ -14,7 +14,7 @@ from mjax.config import ConfigError, load_config
 ROOT = Path(__file__).resolve().parents[2]
 from benchmarks import benchmark
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 

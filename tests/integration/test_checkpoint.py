@@ -21,7 +21,7 @@ from mjax.train.checkpoint import Checkpointer
 from mjax.train.loop import build, checkpointer, train
 from tests.helpers.train_utils import tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from mjax.train.loop import build, train
 from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, document_batches, initial_state, run_steps, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 SEQ = 256

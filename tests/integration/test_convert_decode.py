@@ -15,7 +15,7 @@ from mjax.inference.generate import generate
 from mjax.inference.decode import forward_with_cache, init_cache
 from tests.helpers.convert_utils import FIXTURES, reference
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from tests.helpers.convert_utils import (FIXTURES, LOGITS_ATOL, MOE_NAMES, asser
                                          next_token_loss, read_safetensors, reference)
 from tests.helpers.numpy_reference import forward_hf
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 

@@ -17,7 +17,7 @@ from mjax.convert import tokenizer as tokenizers_io
 from mjax.data.tokenizer import SAMPLE_TOKENIZER, build_tokenizer
 from tests.helpers.convert_utils import FIXTURES
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 CORPUS = Path(SAMPLE_TOKENIZER).parent / "sample_corpus.jsonl.gz"

@@ -14,7 +14,7 @@ import pytest
 from mjax.convert import hf_to_mjax, load_pretrained, mjax_to_hf
 from tests.helpers.convert_utils import FIXTURES, next_token_loss, reference
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from mjax.convert import source as sources
 from mjax.data.tokenizer import build_tokenizer
 from mjax.model import build_model
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent.parent

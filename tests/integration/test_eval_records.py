@@ -12,7 +12,7 @@ from mjax.data import IndexedDatasetWriter
 from mjax.train.loop import train
 from tests.helpers.train_utils import tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]  # the runs compile the same step again
 
 SPLITS = ["valid", "valid/a", "valid/b", "test", "test/a", "test/b"]

@@ -21,7 +21,7 @@ from mjax.train.loop import build, checkpointer, evaluate, train
 from mjax.train.step import make_eval_step
 from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)  # params after a step = params - lr * grads

@@ -24,7 +24,7 @@ from mjax.train.step import make_train_step
 from tests.helpers.lockstep import assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 # Measured: each recipe's window means (this CPU, and with every GEMM's output and input gradients moved by one ulp

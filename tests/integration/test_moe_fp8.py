@@ -20,7 +20,7 @@ from mjax.parallel.layout import validate_layout
 from mjax.train.loop import build
 from tests.helpers.train_utils import run_steps, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 STEPS, WINDOW_TOL, FINAL_TOL, FIRST_TOL = 50, 0.2, 0.1, 0.005

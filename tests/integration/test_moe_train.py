@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.train_utils import run_steps, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from tests.helpers.lockstep import BF16_TOL, assert_steps_close, lockstep_each
 from tests.helpers.train_utils import (FAST_COMPILE, initial_state, multiprocess_config, pattern_batches, run_steps,
                                        tiny_config)
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lock
 from tests.helpers.train_utils import FAST_COMPILE, run_steps, tiny_config
 from tests.integration.test_pipeline import STEPS, SGD, _assert_same, _eval_sums, _train
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 NUM_LAYERS = 7

@@ -10,7 +10,7 @@ from mjax.train.loop import build
 from benchmarks.profile import kernel_kind, op_scopes, profile_step
 from tests.helpers.train_utils import tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 

@@ -22,7 +22,7 @@ from mjax.storage import params as params_io
 from mjax.train.loop import Setup, build, train
 from tests.helpers.train_utils import pattern_batches, tiny_config
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("compilation_cache")]  # the runs compile the same step again
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-# Training runs and compiled steps: the full suite (make test) only, not the fast tier (make test-fast).
+# Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
