@@ -2,9 +2,9 @@
 
 The experts [E, ...] are split over the mesh axes of the logical `experts` axis (`expert`, and `tensor` too under
 MoE parallel folding, --expert_tensor_parallel_size=1): rank r of those ep ranks holds experts
-[r * E/ep, (r + 1) * E/ep). Inside a `shard_map` manual over the batch axes (and `tensor` when folded) each device
-routes its own tokens (one dispatch group, as the single-device model's) and then, by
---moe_token_dispatcher_type:
+[r * E/ep, (r + 1) * E/ep). Inside a `shard_map` manual over the batch axes and the sequence's (`context`, and
+`tensor` when folded) each device routes its own tokens (one dispatch group, as the single-device model's) and
+then, by --moe_token_dispatcher_type:
 
 alltoall   sorts its assignments by expert (mjax/model/moe_dispatch.py), exchanges the per-(rank, expert) counts,
            sends each rank exactly the rows for its experts, runs the grouped GEMMs on what it received (re-sorted by
@@ -76,7 +76,10 @@ def _expert_parallel(layer, x, logits, *, mesh, rules, ep_axes, dispatcher_type,
     nested = not context.empty and any(a == AxisType.Manual for a in context.axis_types)
     already = {n for n, a in zip(context.axis_names, context.axis_types) if a == AxisType.Manual} if nested else set()
     batch = tuple(a for a in rules["batch"] if a not in already)
-    seq = tuple(a for a in ep_axes if a not in batch)  # folded tensor ranks take their part of the sequence
+    # Each device routes its own tokens: context parallelism's ranks and folded tensor ranks each take their part
+    # of the sequence (in residual_seq's order, so no reshard moves rows between them).
+    seq = tuple(dict.fromkeys(a for a in (*(rules.get("seq") or ()), *ep_axes)
+                              if a not in batch and a not in already and mesh.shape[a] > 1))
     manual = tuple(sorted(set(batch) | set(seq)))
     groups = math.prod(mesh.shape[a] for a in batch)
     if b % groups or t % math.prod(mesh.shape[a] for a in seq):

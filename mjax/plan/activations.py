@@ -43,9 +43,9 @@ def local_model(cfg):
     if m.num_experts:
         # each device's experts compute on a receive buffer of ep blocks, each as large as one device's routed
         # rows (token_dispatcher.py: exact, never dropping): a local trace routing each token to top-k x ep of its
-        # experts has as many rows. The dispatcher is manual over the batch axes only, so under context
-        # parallelism each rank routes its batch's whole sequences, cp times the tokens it traces.
-        rows = m.moe_router_topk * p.ep * p.cp
+        # experts has as many rows. With ep > 1 each device routes its own tokens (its share of the batch and of the
+        # sequence); without, the dispatch groups split the batch only: under cp a rank routes whole sequences.
+        rows = m.moe_router_topk * p.ep * (1 if p.ep > 1 else p.cp)
         changes.update(num_experts=max(m.num_experts // p.ep, rows), moe_router_topk=rows,
                        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
         if m.moe_shared_expert_intermediate_size:

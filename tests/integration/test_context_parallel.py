@@ -59,11 +59,20 @@ def test_layout_matches_single_device(layout, single_device):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-def test_moe_with_expert_parallelism_matches_single_device():
-    """cp2 x ep2 x dp2: the token dispatcher's exchange over `expert` beside the ring over `context`."""
-    moe = dict(MODEL, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
-    (ref_losses, ref_params), (losses, params) = (_run(p, d, moe) for p, d in (({}, jax.devices()[:1]),
-                                                                               (dict(cp=2, ep=2), jax.devices())))
+MOE = dict(MODEL, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def single_device_moe():
+    return _run({}, jax.devices()[:1], MOE)
+
+
+@pytest.mark.parametrize("parallel", [dict(cp=2, ep=2), dict(cp=2), dict(pp=2, cp=2, ep=2)],
+                         ids=["cp2_ep2_dp2", "cp2_dp4", "pp2_cp2_ep2"])
+def test_moe_matches_single_device(parallel, single_device_moe):
+    """cp2 x ep2 x dp2: the token dispatcher's exchange over `expert` beside the ring over `context`, each rank
+    routing its own tokens; pp2 x cp2 x ep2: the same nested in the pipeline's shard_map; cp2 x dp4: without ep."""
+    (ref_losses, ref_params), (losses, params) = single_device_moe, _run(parallel, jax.devices(), MOE)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
@@ -130,6 +139,15 @@ def test_each_comm_type_moves_only_what_it_should(comm):
         assert a2as and not permutes, permutes
         assert all(d == "s32" for d, _ in gathers), gathers  # only the segment ids are gathered
     assert not any(_has_full_sequence(s) and s[-1] == 64 for _, s in gathers), "the residual stream was gathered"
+
+
+def test_moe_routes_only_each_ranks_own_tokens():
+    """With expert parallelism a context-parallel rank routes and computes the experts of its own T / cp tokens:
+    cp2 x ep2 x dp2 (batch 8: 2 sequences per device of 128 tokens, top-2) moves all-to-all blocks of 512 rows,
+    never the 1024 of the whole sequences."""
+    hlo = _compiled(dict(cp=2, ep=2), jax.devices(), model=MOE).as_text()
+    blocks = {s for d, s in _collectives(hlo, "all-to-all") if d == "f32" and s[-1] == 64}
+    assert (1, 512, 64) in blocks and (1, 1024, 64) not in blocks, blocks
 
 
 def test_tp_sp_fsdp_never_gather_the_residual_stream_over_the_sequence():

@@ -141,11 +141,14 @@ def test_expert_expansion_matches_xla_cpu(groups, rows, d, f):
     np.testing.assert_allclose(4 * groups * rows * (5 * f + 4 * d), measured, rtol=0.12)
 
 
-def test_under_context_parallelism_each_rank_routes_whole_sequences():
-    """The dispatcher's shard_map is manual over the batch axes only: a rank holding T / cp positions routes all T,
-    so the traced layer routes each token to top-k x ep x cp rows."""
-    assert local_model(_moe(ep=2, cp=2)).moe_router_topk == 2 * 2 * 2
+def test_under_context_parallelism_a_rank_routes_its_own_tokens_with_ep_only():
+    """The dispatcher's shard_map is manual over the batch and sequence axes: a rank holding T / cp positions
+    routes those (top-k x ep rows per traced token). Without ep the dispatch groups split the batch only, so a rank
+    routes all T positions: top-k x cp rows per traced token."""
+    assert local_model(_moe(ep=2, cp=2)).moe_router_topk == 2 * 2
     assert local_model(_moe(ep=2)).moe_router_topk == 2 * 2
+    assert local_model(_moe(cp=2)).moe_router_topk == 2 * 2
+    assert local_model(_moe()).moe_router_topk == 2
 
 
 def test_a_pipeline_stage_recomputes_its_dispatch_region():
