@@ -31,6 +31,14 @@ class Residuals:
         return self.stream + self.other
 
 
+def routed_sequence_share(parallel) -> int:
+    """The sequence is split this many ways for MoE routing: cp when the experts are split over more than one
+    rank (ep, or ep x tp folded: token_dispatcher.py's shard_map, manual over the sequence's context axes too), else
+    1 (the dispatch groups split the batch only: a context-parallel rank routes whole sequences)."""
+    folded = parallel.expert_tensor_parallel_size not in (None, parallel.tp)
+    return parallel.cp if parallel.ep * (parallel.tp if folded else 1) > 1 else 1
+
+
 def local_model(cfg):
     """The model config one device of the layout computes: its share of heads, KV heads, FFN, vocab and experts."""
     m, p = cfg.model, cfg.parallel
@@ -43,9 +51,8 @@ def local_model(cfg):
     if m.num_experts:
         # each device's experts compute on a receive buffer of ep blocks, each as large as one device's routed
         # rows (token_dispatcher.py: exact, never dropping): a local trace routing each token to top-k x ep of its
-        # experts has as many rows. With ep > 1 each device routes its own tokens (its share of the batch and of the
-        # sequence); without, the dispatch groups split the batch only: under cp a rank routes whole sequences.
-        rows = m.moe_router_topk * p.ep * (1 if p.ep > 1 else p.cp)
+        # experts has as many rows; the trace holds seq / cp positions, a rank routes cp / share times as many.
+        rows = m.moe_router_topk * p.ep * p.cp // routed_sequence_share(p)
         changes.update(num_experts=max(m.num_experts // p.ep, rows), moe_router_topk=rows,
                        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
         if m.moe_shared_expert_intermediate_size:

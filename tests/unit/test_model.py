@@ -115,9 +115,10 @@ def test_scan_and_unrolled_layers_agree_and_unrolled_gradients_are_concatenated(
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply(p, tokens) ** 2))(params) for m in models]
     for ga, gb in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
-        # float32 sums in a different order: differences scale with the leaf's largest gradient.
+        # float32 sums in a different order: differences scale with the leaf's largest gradient (measured: 1e-7 of
+        # it past rtol; tolerance 20x)
         scale = float(np.max(np.abs(np.asarray(ga))))
-        np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-5 * scale)
+        np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=2e-6 * scale)
     # Per-layer gradients go into the stacked gradient by one concatenate, not by padding each to the whole stack
     # and adding them up (L full-size additions).
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(models[1].apply(p, tokens))))(params))

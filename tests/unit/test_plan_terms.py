@@ -148,6 +148,8 @@ def test_under_context_parallelism_a_rank_routes_its_own_tokens_with_ep_only():
     assert local_model(_moe(ep=2, cp=2)).moe_router_topk == 2 * 2
     assert local_model(_moe(ep=2)).moe_router_topk == 2 * 2
     assert local_model(_moe(cp=2)).moe_router_topk == 2 * 2
+    # folded experts over tensor (ep 1, tp 2) are split over two ranks: the dispatcher's shard_map again
+    assert local_model(_moe(cp=2, tp=2, expert_tensor_parallel_size=1)).moe_router_topk == 2
     assert local_model(_moe()).moe_router_topk == 2
 
 
