@@ -41,6 +41,7 @@ from mjax.kernels.attention.flash_common import (BACKWARD_CANDIDATES, FORWARD_CA
                                                  default_block_sizes, default_interpret, with_backward,
                                                  with_forward)
 from mjax.kernels.attention.flash_forward import flash_forward  # noqa: E402
+from mjax.kernels.attention.mosaic import MOSAIC_CANDIDATES, default_mosaic_blocks  # noqa: E402
 
 flags.DEFINE_string("json_out", "", "Write the environment, the sweep and the table as JSON here (rewritten after "
                     "each stage).")
@@ -72,9 +73,9 @@ def packed_segments(b, t, seed=0):
 def attention_fns(impl, blocks, interpret, window=None):
     """jit'ed forward(q, k, v, seg) and forward + backward(q, k, v, seg, do) -> (dq, dk, dv) of one impl."""
     def attend(q, k, v, seg):
-        if impl == "pallas":
+        if impl in ("pallas", "mosaic"):
             return flash_attention(q, k, v, causal=True, sliding_window=window, segment_ids=seg, block_sizes=blocks,
-                                   interpret=interpret)
+                                   interpret=interpret, kernel=impl)
         return dot_product_attention(q, k, v, causal=True, sliding_window=window, segment_ids=seg, impl=impl)
 
     def fwd_bwd(q, k, v, seg, do):
@@ -125,6 +126,34 @@ def sweep(heads, t, b, configs, ceiling, interpret, rows):
     return best_bwd or best_fwd
 
 
+def sweep_mosaic(heads, t, b, ceiling, rows):
+    """The Mosaic kernels' blocks: the forward fields of the fastest forward and the dq / dk-dv fields of the
+    fastest backward (forward + backward minus forward) among the default and MOSAIC_CANDIDATES."""
+    q, k, v, do = inputs(t, b, heads)
+    flop = causal_flops(b, t, heads[0], heads[2])
+    candidates = {"default": default_mosaic_blocks(heads[2]), **MOSAIC_CANDIDATES}
+    best = {"fwd": (float("inf"), None), "bwd": (float("inf"), None)}
+    for name, cfg in candidates.items():
+        fwd, fwd_bwd = attention_fns("mosaic", cfg, False)
+        f, err = time_or_error(fwd, q, k, v, None, min_s=FLAGS.min_time_s)
+        fb, err = (None, err) if f is None else time_or_error(fwd_bwd, q, k, v, None, do, min_s=FLAGS.min_time_s)
+        for kind, seconds, work in (("fwd", f, flop), ("bwd", None if fb is None else fb - f, 2.5 * flop)):
+            row = {"kind": f"mosaic {kind}", "config": name, "error": err}
+            if seconds is not None:
+                rate(row, "", work, seconds, ceiling)
+                best[kind] = min(best[kind], (seconds, name), key=lambda x: x[0])
+            rows.append(row)
+            print_sweep_row(row)
+    if best["fwd"][1] is None or best["bwd"][1] is None:
+        return None
+    fwd_cfg, bwd_cfg = candidates[best["fwd"][1]], candidates[best["bwd"][1]]
+    return dataclasses.replace(bwd_cfg, block_q=fwd_cfg.block_q, block_kv=fwd_cfg.block_kv, stages=fwd_cfg.stages)
+
+
+def hopper() -> bool:
+    return jax.default_backend() == "gpu" and jax.devices()[0].compute_capability == "9.0"
+
+
 def print_sweep_row(row):
     timing = (f"{row['ms']:9.3f} ms {row['tflops']:8.4g} TFLOP/s {row['of_ceiling']:6.1%} of ceiling"
               if row["error"] is None else f"failed: {row['error']}")
@@ -138,13 +167,15 @@ def table_cases(seqs):
 
 
 def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, rows, cudnn_skips):
+    """blocks: {impl: its block configuration} for pallas and mosaic (mosaic absent: no Hopper GPU)."""
     n, _, h = heads
     for t, window, packed in table_cases(seqs):
         b = max(1, tokens // t)
         q, k, v, do = inputs(t, b, heads, seed=t)
         seg = packed_segments(b, t) if packed else None
         flop = causal_flops(b, t, n, h, window)
-        for impl in ["pallas"] if packed else ["pallas", "cudnn", "xla"]:
+        kernels = [i for i in ("mosaic", "pallas") if i in blocks]
+        for impl in kernels if packed else kernels + ["cudnn", "xla"]:
             if impl == "cudnn":
                 reason = why_unsupported("cudnn", backend=jax.default_backend(), dtype=DTYPE, head_dim=h,
                                          segment_ids=False, return_lse=False, causal=True, sliding_window=window,
@@ -156,7 +187,7 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
             label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
                    "fwd_bwd_skipped": impl == "xla" and t > skip_xla_bwd_over}
-            fwd, fwd_bwd = attention_fns(impl, blocks, interpret, window)
+            fwd, fwd_bwd = attention_fns(impl, blocks.get(impl), interpret, window)
             seconds, err = time_or_error(fwd, q, k, v, seg, min_s=FLAGS.min_time_s)
             if seconds is not None:
                 rate(row, "fwd_", flop, seconds, ceiling)
@@ -239,18 +270,24 @@ def main():
         blocks = sweep(heads, tune_t, tune_b, configs, ceiling, interpret, report["tuning"])
         if blocks is None:
             print("sweep: no forward configuration ran; the table uses the defaults", flush=True)
-    blocks = blocks or default_block_sizes(heads[2])
-    report["blocks"] = dataclasses.asdict(blocks)
-    print(f"\npallas block sizes for the table: {report['blocks']}", flush=True)
+    blocks = {"pallas": blocks or default_block_sizes(heads[2])}
+    if hopper() and not FLAGS.smoke:  # the Mosaic GPU kernels: Hopper only, no interpreter
+        mosaic = None
+        if FLAGS.tune:
+            print(f"\nmosaic block sweep at T={tune_t}, B={tune_b}:", flush=True)
+            mosaic = sweep_mosaic(heads, tune_t, tune_b, ceiling, report["tuning"])
+        blocks["mosaic"] = mosaic or default_mosaic_blocks(heads[2])
+    report["blocks"] = {impl: dataclasses.asdict(cfg) for impl, cfg in blocks.items()}
+    print(f"\nblock sizes for the table: {report['blocks']}", flush=True)
     save()
 
     print("\n" + table_header(ceiling, heads), flush=True)
     table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, report["table"],
           report["cudnn_skipped"])
     save()
-    failed = [r["label"] for r in report["table"] if r["impl"] == "pallas" and r["error"]]
+    failed = [r["label"] for r in report["table"] if r["impl"] in ("pallas", "mosaic") and r["error"]]
     if failed:
-        print(f"\npallas failed on: {', '.join(failed)}", flush=True)
+        print(f"\nthe kernels failed on: {', '.join(failed)}", flush=True)
     return 1 if failed else 0
 
 

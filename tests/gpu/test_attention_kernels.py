@@ -1,4 +1,5 @@
-"""On the GPU: the compiled Pallas flash-attention kernels against the float32 reference.
+"""On the GPU: the compiled flash-attention kernels (Pallas Triton, and Pallas Mosaic GPU on Hopper) against the
+float32 reference.
 
 Forward output, LSE and dq/dk/dv (random cotangents on the output and on the LSE) on fresh random inputs (the seed
 is in each failure message), over shapes, masks, dtypes and GQA ratios, and over the block configurations the
@@ -81,7 +82,11 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _assert_matches_reference(case: Case, blocks=None):
+def _hopper() -> bool:
+    return jax.default_backend() == "gpu" and jax.devices()[0].compute_capability == "9.0"
+
+
+def _assert_matches_reference(case: Case, blocks=None, kernel="pallas"):
     seed = int.from_bytes(os.urandom(4), "little")
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     b, t, s, n, kh, h = case.b, case.t, case.kv_len, case.n, case.kh, case.h
@@ -100,11 +105,11 @@ def _assert_matches_reference(case: Case, blocks=None):
             return (o, lse, *vjp((do, dlse)))
         return jax.jit(g)(q, k, v, do, dlse)
 
-    got = out_lse_and_grads(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks, **kw))
+    got = out_lse_and_grads(lambda q, k, v: flash_attention(q, k, v, block_sizes=blocks, kernel=kernel, **kw))
     with jax.default_matmul_precision("float32"):  # else XLA:GPU runs the fp32 reference in TF32
         want = out_lse_and_grads(lambda q, k, v: reference_attention(q, k, v, **kw))
 
-    msg = f"seed={seed} {case} blocks={blocks}"
+    msg = f"seed={seed} {case} kernel={kernel} blocks={blocks}"
     tol = TOL[case.dtype]
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
@@ -139,3 +144,34 @@ def test_kernels_match_the_reference(case):
 @pytest.mark.parametrize("case", BLOCK_CASES)
 def test_block_configurations_match_the_reference(case, blocks):
     _assert_matches_reference(case, blocks)
+
+
+MOSAIC_CASES = [c for c in CASES if c.values[0].dtype != "float32"] + [
+    pytest.param(Case(2, 640, 8, 2, 128, "bfloat16", causal=True, window=200, segments=True),
+                 id="gqa4-window200-packed-bf16-h128"),
+    pytest.param(Case(1, 512, 4, 4, 256, "float16", causal=True), id="mha-causal-f16-h256"),
+    pytest.param(Case(1, 448, 8, 1, 96, "bfloat16", causal=True, s=900), id="mqa-causal-t448-s900-bf16-h96"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_CASES)
+def test_mosaic_kernels_match_the_reference(case):
+    if not _hopper():
+        pytest.skip("the Mosaic GPU attention kernels need a Hopper GPU (compute capability 9.0)")
+    _assert_matches_reference(case, kernel="mosaic")
+
+
+def _mosaic_block_configs():
+    from mjax.kernels.attention.mosaic import MOSAIC_CANDIDATES  # noqa: PLC0415
+
+    return [pytest.param(cfg, id=name) for name, cfg in MOSAIC_CANDIDATES.items()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks", _mosaic_block_configs())
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_mosaic_block_configurations_match_the_reference(case, blocks):
+    if not _hopper():
+        pytest.skip("the Mosaic GPU attention kernels need a Hopper GPU (compute capability 9.0)")
+    _assert_matches_reference(case, blocks, kernel="mosaic")

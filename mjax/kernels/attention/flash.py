@@ -61,33 +61,35 @@ def check_supported(q_shape, k_shape, v_shape, dtype, *, sliding_window=None, se
 
 
 def flash_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, return_lse=False,
-                    offset=None, block_sizes: BlockSizes | None = None, interpret: bool | None = None):
-    """Flash attention with the reference's semantics; see the module docstring. Returns out (and lse)."""
-    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret)
-    out, lse = _flash(*call.operands, call.spec, call.blocks, call.scale, call.interpret)
+                    offset=None, block_sizes=None, interpret: bool | None = None, kernel: str = "pallas"):
+    """Flash attention with the reference's semantics; see the module docstring. Returns out (and lse).
+    kernel: "pallas" (Triton lowering, BlockSizes) or "mosaic" (Hopper, mosaic.MosaicBlocks)."""
+    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret, kernel)
+    out, lse = _flash(*call.operands, call.kernel, call.spec, call.blocks, call.scale, call.interpret)
     out, lse = call.unpad(out), lse[:, :, :q.shape[1]]
     return (out, lse) if return_lse else out
 
 
 def flash_attention_backward(q, k, v, out, lse, do, *, causal=True, sliding_window=None, segment_ids=None,
-                             scale=None, offset=None, block_sizes: BlockSizes | None = None,
-                             interpret: bool | None = None):
+                             scale=None, offset=None, block_sizes=None, interpret: bool | None = None,
+                             kernel: str = "pallas"):
     """(dq, dk, dv) of this block of attention, given the output `out` [B,T,N,H] and log-sum-exp `lse` [B,N,T] of
     a larger attention it is part of (its other key blocks merged in) and that output's cotangent `do`: the
     blockwise backward of ring attention, P recomputed against the merged lse."""
-    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret)
+    call = _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret, kernel)
     t, tp = q.shape[1], call.operands[0].shape[1]
     lse = jnp.pad(lse.astype(jnp.float32), ((0, 0), (0, 0), (0, tp - t)), constant_values=-jnp.inf)  # P = 0 there
     dq, dk, dv = sharded_backward(*call.operands, call.pad_q(out), lse, call.pad_q(do.astype(q.dtype)),
-                                  jnp.zeros_like(lse), spec=call.spec, blocks=call.blocks, scale=call.scale,
+                                  jnp.zeros_like(lse), kernel=call.kernel, spec=call.spec, blocks=call.blocks, scale=call.scale,
                                   interpret=call.interpret)
     return call.unpad(dq), dk[:, :k.shape[1], :, :k.shape[3]], dv[:, :k.shape[1], :, :k.shape[3]]
 
 
 class _Call(NamedTuple):
     operands: tuple  # padded q, k, v, segment ids (or None), offset (or None)
+    kernel: str
     spec: MaskSpec
-    blocks: BlockSizes
+    blocks: object  # BlockSizes (pallas) or MosaicBlocks (mosaic)
     scale: float
     interpret: bool
     t: int
@@ -102,7 +104,7 @@ class _Call(NamedTuple):
         return x[:, :self.t, :, :self.h]
 
 
-def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret) -> _Call:
+def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret, kernel) -> _Call:
     check_supported(q.shape, k.shape, v.shape, q.dtype, sliding_window=sliding_window, segment_ids=segment_ids)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise AttentionUnsupported(f"attention_impl=pallas needs q, k, v of one dtype; got {q.dtype}, {k.dtype}, "
@@ -112,8 +114,14 @@ def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_
     scale = float(h**-0.5 if scale is None else scale)
     interpret = default_interpret() if interpret is None else bool(interpret)
 
-    hp = pow2_at_least(h)  # Triton tiles are powers of two
-    blocks = (block_sizes or default_block_sizes(hp)).clamp(t, s)
+    if kernel == "mosaic":
+        from mjax.kernels.attention.mosaic import default_mosaic_blocks, padded_head_dim  # noqa: PLC0415
+
+        hp = padded_head_dim(h)  # wgmma tiles of 64 columns
+        blocks = (block_sizes or default_mosaic_blocks(hp)).clamp(t, s)
+    else:
+        hp = pow2_at_least(h)  # Triton tiles are powers of two
+        blocks = (block_sizes or default_block_sizes(hp)).clamp(t, s)
     tp = -(-t // blocks.q_multiple) * blocks.q_multiple
     sp = -(-s // blocks.k_multiple) * blocks.k_multiple
 
@@ -132,7 +140,7 @@ def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_
                     q_len_padded=tp, segments=segment_ids is not None, dynamic_offset=dynamic)
     kp = _pad_axis(_pad_axis(k, 1, sp), 3, hp)
     vp = _pad_axis(_pad_axis(v, 1, sp), 3, hp)
-    call = _Call((), spec, blocks, scale, interpret, t, h, tp, hp)
+    call = _Call((), kernel, spec, blocks, scale, interpret, t, h, tp, hp)
     return call._replace(operands=(call.pad_q(q), kp, vp, q_seg, kv_seg, offset if dynamic else None))
 
 
@@ -144,25 +152,25 @@ def _pad_axis(x, axis, size, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash(q, k, v, q_seg, kv_seg, offset, spec, blocks, scale, interpret):
-    return sharded_forward(q, k, v, q_seg, kv_seg, offset, spec=spec, blocks=blocks, scale=scale,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, q_seg, kv_seg, offset, kernel, spec, blocks, scale, interpret):
+    return sharded_forward(q, k, v, q_seg, kv_seg, offset, kernel=kernel, spec=spec, blocks=blocks, scale=scale,
                            interpret=interpret)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, offset, spec, blocks, scale, interpret):
-    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, offset, spec=spec, blocks=blocks, scale=scale,
-                               interpret=interpret)
+def _flash_fwd(q, k, v, q_seg, kv_seg, offset, kernel, spec, blocks, scale, interpret):
+    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, offset, kernel=kernel, spec=spec, blocks=blocks,
+                               scale=scale, interpret=interpret)
     # Named so that a remat policy can keep the kernel's results and skip rerunning it (remat name attn_core).
     out, lse = checkpoint_name(out, ATTN_CORE), checkpoint_name(lse, ATTN_CORE)
     return (out, lse), (q, k, v, q_seg, kv_seg, offset, out, lse)
 
 
-def _flash_bwd(spec, blocks, scale, interpret, residuals, cotangents):
+def _flash_bwd(kernel, spec, blocks, scale, interpret, residuals, cotangents):
     q, k, v, q_seg, kv_seg, offset, out, lse = residuals
     do, dlse = cotangents
     dq, dk, dv = sharded_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do.astype(q.dtype),
-                                  dlse.astype(jnp.float32), spec=spec, blocks=blocks, scale=scale,
+                                  dlse.astype(jnp.float32), kernel=kernel, spec=spec, blocks=blocks, scale=scale,
                                   interpret=interpret)
     return dq, dk, dv, None, None, None
 

@@ -61,13 +61,23 @@ def _kv_slice(n_local: int, kv_heads: int, shards: dict) -> tuple:
     return heads.index * n_local // group, max(n_local // group, 1)
 
 
+def _kernels(kernel: str):
+    """(forward, backward) of the Triton ("pallas") or the Hopper ("mosaic") kernels; one interface."""
+    if kernel == "mosaic":
+        from mjax.kernels.attention.mosaic import mosaic_backward_op, mosaic_forward_op  # noqa: PLC0415
+
+        return mosaic_forward_op, mosaic_backward_op
+    return flash_forward, flash_backward
+
+
 @functools.cache
-def _ops(spec, blocks, scale, interpret):
+def _ops(kernel, spec, blocks, scale, interpret):
     """The (forward, backward) per-shard ops of one kernel configuration."""
+    forward_kernel, backward_kernel = _kernels(kernel)
     # the operands both kernels take: q, k, v, then the per-row offset and the segment ids when the spec has them
     qkv = _QKV + (", b" if spec.dynamic_offset else "") + (_SEGMENTS if spec.segments else "")
     common = dict(replicated=_WHOLE, shard_index=("n", "k"), adjust=_split_heads_together)
-    kernel = dict(spec=spec, blocks=blocks, scale=scale, interpret=interpret)
+    config = dict(spec=spec, blocks=blocks, scale=scale, interpret=interpret)
     n_extra = int(spec.dynamic_offset) + 2 * int(spec.segments)
 
     def split(args):  # (offset, q_seg, kv_seg) with Nones for what this spec lacks, and the remaining args
@@ -80,13 +90,13 @@ def _ops(spec, blocks, scale, interpret):
         (offset, q_seg, kv_seg), () = split(rest)
         if (cut := _kv_slice(q.shape[2], k.shape[2], shards)) is not None:
             k, v = (jax.lax.dynamic_slice_in_dim(x, *cut, axis=2) for x in (k, v))  # [B, S, K, H] -> [B, S, c, H]
-        return flash_forward(q, k, v, q_seg, kv_seg, offset, **kernel)
+        return forward_kernel(q, k, v, q_seg, kv_seg, offset, **config)
 
     def backward(q, k, v, *rest, shards):
         (offset, q_seg, kv_seg), (out, lse, do, dlse) = split(rest)
         cut = _kv_slice(q.shape[2], k.shape[2], shards)
         kk, vv = (k, v) if cut is None else (jax.lax.dynamic_slice_in_dim(x, *cut, axis=2) for x in (k, v))
-        dq, dk, dv = flash_backward(q, kk, vv, q_seg, kv_seg, out, lse, do, dlse, offset, **kernel)
+        dq, dk, dv = backward_kernel(q, kk, vv, q_seg, kv_seg, out, lse, do, dlse, offset, **config)
         if cut is not None:  # this shard's part of the whole K/V heads' gradients, summed over the shards
             dk, dv = (jax.lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), d, cut[0], axis=2)
                       for x, d in ((k, dk), (v, dv)))  # [B, S, c, H] -> [B, S, K, H]
@@ -101,12 +111,13 @@ def _extra(offset, q_seg, kv_seg) -> tuple:
     return (() if offset is None else (offset,)) + (() if q_seg is None else (q_seg, kv_seg))
 
 
-def sharded_forward(q, k, v, q_seg, kv_seg, offset, *, spec, blocks, scale, interpret):
-    """flash_forward per shard: padded q [B,Tp,N,Hp], k/v [B,Sp,K,Hp], segment ids and the offset [B] or None ->
-    (out, lse)."""
-    return _ops(spec, blocks, scale, interpret)[0](q, k, v, *_extra(offset, q_seg, kv_seg))
+def sharded_forward(q, k, v, q_seg, kv_seg, offset, *, kernel="pallas", spec, blocks, scale, interpret):
+    """The forward kernel per shard: padded q [B,Tp,N,Hp], k/v [B,Sp,K,Hp], segment ids and the offset [B] or
+    None -> (out, lse)."""
+    return _ops(kernel, spec, blocks, scale, interpret)[0](q, k, v, *_extra(offset, q_seg, kv_seg))
 
 
-def sharded_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, dlse, *, spec, blocks, scale, interpret):
-    """flash_backward per shard -> (dq, dk, dv)."""
-    return _ops(spec, blocks, scale, interpret)[1](q, k, v, *_extra(offset, q_seg, kv_seg), out, lse, do, dlse)
+def sharded_backward(q, k, v, q_seg, kv_seg, offset, out, lse, do, dlse, *, kernel="pallas", spec, blocks, scale,
+                     interpret):
+    """The backward kernels per shard -> (dq, dk, dv)."""
+    return _ops(kernel, spec, blocks, scale, interpret)[1](q, k, v, *_extra(offset, q_seg, kv_seg), out, lse, do, dlse)

@@ -1,0 +1,361 @@
+"""Flash-attention backward on Hopper in Pallas Mosaic GPU: a dq kernel and a dk/dv kernel, each with two compute
+warpgroups over their own tiles of rows and one memory warpgroup streaming the other operand's blocks by TMA
+(the runs and the union walk of mosaic_common.py).
+
+    dq kernel   grid (q heads, query tiles, batch):  S = Q K^T, P = exp2(S c - lse2), dP = dO V^T,
+                dS = P (dP - delta), dQ += dS K        (K, V streamed)
+    dkv kernel  grid (KV heads, key tiles, batch):   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+                dS^T = P^T (dP^T - delta), dK += dS^T Q (Q, dO, lse2, delta streamed for every query head of the
+                KV head's group: GQA gradients are summed in registers, K/V never repeated)
+
+lse2 is the forward's log-sum-exp in base 2 (+inf for rows that saw no key, so their P is 0) and delta
+= rowsum(O dO) - dlse (the log-sum-exp's own cotangent enters there), both [B, N, T] float32.
+`parts` picks which of dk and dv the dkv kernel accumulates: head dim 256 holds only one [64, 256] float32
+accumulator per warpgroup in registers, so it runs the kernel twice (("dk",), ("dv",)).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
+                                                  union_range, walk_union)
+
+WGMMA = plgpu.Layout.WGMMA
+ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along an accumulator's rows / columns
+
+
+def _segment_ids(ref, batch, start, size, layout):
+    return plgpu.load(ref.at[batch, pl.ds(start, size)], layout=layout, optimized=False)
+
+
+def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
+        block_kv: int, stages: int):
+    b, t, n, h = q.shape
+    groups = n // k.shape[2]
+    dtype = q.dtype
+    n_tiles = t // (2 * block_q)
+    qk_scale = scale * LOG2E
+    segments = mask.segments
+
+    def kernel(*refs):
+        n_in = 10 if segments else 8
+        ins, (dq_ref,), scratch = refs[:n_in], refs[n_in:n_in + 1], refs[n_in + 1:]
+        if segments:
+            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        else:
+            ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free = scratch
+        batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("q_seq")
+        wg = lax.axis_index("wg")
+        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
+
+        def slot_of(j):
+            return lax.rem(j - lo_all, jnp.array(stages, jnp.int32))
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            row0 = tile * (2 * block_q) + wg * block_q
+            rows = pl.ds(row0, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem2.at[wg], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem2.at[wg], q_bar.at[wg])
+            q_ids = _segment_ids(qseg_ref, batch, row0, block_q, ROWS) if segments else None
+            q_off = offset_ref[batch]
+            plgpu.barrier_wait(q_bar.at[wg])
+            lse = plgpu.load(lse_smem2.at[wg], layout=ROWS)
+            dlt = plgpu.load(delta_smem2.at[wg], layout=ROWS)
+            shape = (block_q, block_kv)
+
+            def step(j, dq, masked: bool):
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def s_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(s_scope, plgpu.ACC(shape, jnp.float32))
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def dp_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dp_scope, plgpu.ACC(shape, jnp.float32))
+                plgpu.barrier_arrive(v_free.at[slot])
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, shape, [0]))
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
+                    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                    keep = position_mask(mask, r + (row0 + q_off), c + j * block_kv)
+                    if segments:
+                        k_ids = _segment_ids(kseg_ref, batch, j * block_kv, block_kv, COLS)
+                        keep = keep & (lax.broadcast_in_dim(q_ids, shape, [0])
+                                       == lax.broadcast_in_dim(k_ids, shape, [1]))
+                    p = jnp.where(keep, p, 0.0)
+                ds = p * (dp - lax.broadcast_in_dim(dlt, shape, [0]))
+
+                def dq_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq = pl.run_state(dq_scope)(plgpu.ACC.init(dq))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            def skip(j, dq):
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = plgpu.layout_cast(jnp.full((block_q, h), 0, jnp.float32), WGMMA)
+            dq = walk_union(lo_all, hi_all, own_runs(ranges_ref, batch, 2 * tile + wg), step, skip, dq)
+            q_smem[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, q_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+            n_steps = hi_all - lo_all
+
+            def load(ref, smem, bar, i, slot):
+                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head],
+                                        smem.at[slot], bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < n_steps)
+                def _(i=i):
+                    load(k_ref, k_smem, k_bar, i, i)
+                    load(v_ref, v_smem, v_bar, i, i)
+
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _(i):
+                slot = lax.rem(i, jnp.array(stages, jnp.int32))
+                plgpu.barrier_wait(k_free.at[slot])
+                load(k_ref, k_smem, k_bar, i + stages, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                load(v_ref, v_smem, v_bar, i + stages, slot)
+
+    tf = tile_transforms()
+    scratch = [
+        plgpu.SMEM((2, block_q, h), dtype, transforms=tf),
+        plgpu.SMEM((2, block_q, h), dtype, transforms=tf),
+        plgpu.SMEM((2, block_q), jnp.float32),
+        plgpu.SMEM((2, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_kv, h), dtype, transforms=tf),
+        plgpu.SMEM((stages, block_kv, h), dtype, transforms=tf),
+        plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    segs = (q_seg, kv_seg) if segments else ()
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
+        grid=(n, n_tiles, b), grid_names=("heads", "q_seq", "batch"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(ranges, offset, *segs, q, k, v, do, lse2, delta)
+
+
+def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
+         block_kv: int, stages: int, parts: tuple):
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    dtype = q.dtype
+    n_tiles = s // (2 * block_kv)
+    qk_scale = scale * LOG2E
+    segments = mask.segments
+    want_dk, want_dv = "dk" in parts, "dv" in parts
+
+    def kernel(*refs):
+        n_in = 10 if segments else 8
+        n_out = len(parts)
+        ins, outs, scratch = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+        if segments:
+            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        else:
+            ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        out_refs = dict(zip(parts, outs))
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem,
+         kv_bar, q_bar, do_bar, q_free, do_free) = scratch
+        batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("kv_seq")
+        wg = lax.axis_index("wg")
+        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
+        n_union = hi_all - lo_all
+
+        def slot_of(g, i):
+            return lax.rem(g * n_union + (i - lo_all), jnp.array(stages, jnp.int32))
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_tile, v_tile = k_smem2.at[wg], v_smem2.at[wg]
+            key0 = tile * (2 * block_kv) + wg * block_kv
+            rows = pl.ds(key0, block_kv)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_tile, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_tile, kv_bar.at[wg])
+            k_ids = _segment_ids(kseg_ref, batch, key0, block_kv, ROWS) if segments else None
+            q_off = offset_ref[batch]
+            plgpu.barrier_wait(kv_bar.at[wg])
+            shape = (block_kv, block_q)
+            own = own_runs(ranges_ref, batch, 2 * tile + wg)
+
+            def head_steps(g, carry):
+                q_head = kv_head * groups + g
+
+                def step(i, carry, masked: bool):
+                    dk, dv = carry
+                    slot = slot_of(g, i)
+                    plgpu.barrier_wait(q_bar.at[slot])
+
+                    def st_scope(acc_ref):
+                        plgpu.wgmma(acc_ref, k_tile, q_smem.at[slot].transpose((1, 0)))
+                        return acc_ref[...]
+
+                    st = pl.run_scoped(st_scope, plgpu.ACC(shape, jnp.float32))
+                    lse = plgpu.load(lse_smem.at[slot], layout=COLS)
+                    pt = jnp.exp2(st * qk_scale - lax.broadcast_in_dim(lse, shape, [1]))
+                    if masked:
+                        r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
+                        c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+                        keep = position_mask(mask, c + (i * block_q + q_off), r + key0)
+                        if segments:
+                            q_ids = _segment_ids(qseg_ref, batch, i * block_q, block_q, COLS)
+                            keep = keep & (lax.broadcast_in_dim(k_ids, shape, [0])
+                                           == lax.broadcast_in_dim(q_ids, shape, [1]))
+                        pt = jnp.where(keep, pt, 0.0)
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    if want_dk:
+                        zeros = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), WGMMA)
+                        if want_dv:
+                            def dv_dpt(refs):  # one wgmma wait for both products
+                                dv_ref, dpt_ref = refs
+                                plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
+                                plgpu.wgmma(dpt_ref, v_tile, do_smem.at[slot].transpose((1, 0)))
+
+                            dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                        else:
+                            def dpt_scope(dpt_ref):
+                                plgpu.wgmma(dpt_ref, v_tile, do_smem.at[slot].transpose((1, 0)))
+
+                            dpt = pl.run_state(dpt_scope)(plgpu.ACC.init(zeros))
+                        dlt = plgpu.load(delta_smem.at[slot], layout=COLS)
+                        plgpu.barrier_arrive(do_free.at[slot])
+                        dst = pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1]))
+
+                        def dk_scope(acc_ref):
+                            plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
+
+                        dk = pl.run_state(dk_scope)(plgpu.ACC.init(dk))
+                    else:
+                        def dv_scope(acc_ref):
+                            plgpu.wgmma(acc_ref, pt.astype(dtype), do_smem.at[slot])
+
+                        dv = pl.run_state(dv_scope)(plgpu.ACC.init(dv))
+                        plgpu.barrier_arrive(do_free.at[slot])
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    return dk, dv
+
+                def skip(i, carry):
+                    slot = slot_of(g, i)
+                    plgpu.barrier_wait(q_bar.at[slot])
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    plgpu.barrier_arrive(do_free.at[slot])
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    return carry
+
+                del q_head
+                return walk_union(lo_all, hi_all, own, step, skip, carry)
+
+            zero = plgpu.layout_cast(jnp.full((block_kv, h), 0, jnp.float32), WGMMA)
+            dk, dv = lax.fori_loop(0, groups, head_steps, (zero if want_dk else None, zero if want_dv else None))
+            if want_dk:
+                k_tile[...] = (dk * scale).astype(dtype)
+            if want_dv:
+                v_tile[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            if want_dk:
+                plgpu.copy_smem_to_gmem(k_tile, out_refs["dk"].at[batch, rows, kv_head])
+            if want_dv:
+                plgpu.copy_smem_to_gmem(v_tile, out_refs["dv"].at[batch, rows, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            total = groups * n_union
+            per_head = jnp.maximum(n_union, 1)
+
+            def load(c, slot):
+                g, i = lax.div(c, per_head), lo_all + lax.rem(c, per_head)
+                q_head = kv_head * groups + g
+                rows = pl.ds(i * block_q, block_q)
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem.at[slot], do_bar.at[slot])
+
+            for c in range(stages):
+                pl.when(c < total)(functools.partial(load, jnp.int32(c), c))
+
+            @pl.loop(0, jnp.maximum(total - stages, 0))
+            def _(c):
+                slot = lax.rem(c, jnp.array(stages, jnp.int32))
+                plgpu.barrier_wait(q_free.at[slot])
+                plgpu.barrier_wait(do_free.at[slot])
+                load(c + stages, slot)
+
+    tf = tile_transforms()
+    scratch = [
+        plgpu.SMEM((2, block_kv, h), dtype, transforms=tf),
+        plgpu.SMEM((2, block_kv, h), dtype, transforms=tf),
+        plgpu.SMEM((stages, block_q, h), dtype, transforms=tf),
+        plgpu.SMEM((stages, block_q, h), dtype, transforms=tf),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+    segs = (q_seg, kv_seg) if segments else ()
+    out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in parts]
+    return plgpu.kernel(
+        kernel, out_type=out_type, scratch_types=scratch,
+        grid=(kh, n_tiles, b), grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(ranges, offset, *segs, q, k, v, do, lse2, delta)
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages"))
+def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages):
+    """dq [B,T,N,H] (T a multiple of 2 * block_q, S of block_kv); ranges over key blocks per query tile."""
+    return _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
+               block_kv=block_kv, stages=stages)
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "parts"))
+def mosaic_dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
+               parts=("dk", "dv")):
+    """[dk, dv] (those `parts` names) [B,S,K,H] (S a multiple of 2 * block_kv, T of block_q); ranges over query
+    blocks per key tile."""
+    return _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
+                block_kv=block_kv, stages=stages, parts=parts)

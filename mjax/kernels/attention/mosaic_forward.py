@@ -1,0 +1,206 @@
+"""Flash-attention forward on Hopper in Pallas Mosaic GPU (FlashAttention-3's structure): per program two compute
+warpgroups of block_q query rows each and one memory warpgroup that streams K/V blocks by TMA into a ring of
+swizzled shared-memory stages; wgmma for Q K^T and P V; the two compute warpgroups ping-pong on a schedule barrier
+so that one's softmax overlaps the other's matmuls.
+
+Grid (q heads, query tiles of 2 * block_q, batch), heaviest query tiles first. Each warpgroup reads its key-block
+runs from `ranges` [B, T / block_q, 4] = (lo, full_lo, full_hi, hi) (mosaic.py computes them from the mask):
+[lo, full_lo) and [full_hi, hi) are masked (position and segment mask), [full_lo, full_hi) needs no mask. The
+memory warpgroup loads the union of the two warpgroups' runs; a warpgroup steps through the union blocks outside
+its own runs without computing (it still waits and releases each stage, so barrier phases stay in step).
+Writes out and the log-sum-exp [B, N, T] in natural log (0 and -inf for a row that sees no key).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
+                                                  union_range, walk_union)
+
+
+def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
+             block_kv: int, stages: int):
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    dtype = q.dtype
+    n_tiles = t // (2 * block_q)
+    qk_scale = scale * LOG2E
+    segments = mask.segments
+
+    def kernel(*refs):
+        if segments:
+            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:9]
+            scratch = refs[9:]
+        else:
+            ranges_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:7]
+            qseg_ref = kseg_ref = None
+            scratch = refs[7:]
+        qo_smem2, k_smem, v_smem, lse_smem2, k_bar, v_bar, q_bar, k_free, v_free, sched = scratch
+        batch = lax.axis_index("batch")
+        q_head = lax.axis_index("heads")
+        tile = n_tiles - 1 - lax.axis_index("q_seq")  # heaviest (causal) tiles first
+        wg = lax.axis_index("wg")
+        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
+        n_steps = hi_all - lo_all
+
+        def schedule_barrier():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            row0 = tile * (2 * block_q) + wg * block_q
+            my_tile = 2 * tile + wg
+            q_off = offset_ref[batch]
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_bar.at[wg])
+            q_ids = None
+            if segments:  # segment ids are read from global memory straight into registers (L2-cached, small)
+                q_ids = plgpu.load(qseg_ref.at[batch, pl.ds(row0, block_q)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                   optimized=False)
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, h), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def slot_of(j):
+                return lax.rem(j - lo_all, jnp.array(stages, jnp.int32))
+
+            def step(j, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    keep = position_mask(mask, rows + (row0 + q_off), cols + j * block_kv)
+                    if segments:
+                        k_ids = plgpu.load(kseg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        keep = keep & (lax.broadcast_in_dim(q_ids, qk.shape, [0])
+                                       == lax.broadcast_in_dim(k_ids, qk.shape, [1]))
+                    qk = jnp.where(keep, qk, -jnp.inf)
+                m_ij = jnp.maximum(m_i, qk.max(axis=1) * qk_scale)
+                m_use = jnp.where(m_ij == -jnp.inf, 0.0, m_ij) if masked else m_ij  # rows that saw nothing yet
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(qk * qk_scale - lax.broadcast_in_dim(m_use, qk.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+                if h <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_ij, p16 = lax.optimization_barrier((acc, l_i, m_ij, p16))
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)
+                else:
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)
+                    l_i = l_i + p.sum(axis=1)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_ij, l_i
+
+            def skip(j, carry):  # a block of the other warpgroup's runs: keep the stages and barriers in step
+                slot = slot_of(j)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                schedule_barrier()
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+                return carry
+
+            pl.when(wg == 1)(schedule_barrier)
+            acc, m_i, l_i = walk_union(lo_all, hi_all, own_runs(ranges_ref, batch, my_tile), step, skip,
+                                       (acc, m_i, l_i))
+            pl.when(wg == 0)(schedule_barrier)
+
+            acc = acc / lax.broadcast_in_dim(jnp.where(l_i == 0.0, 1.0, l_i), acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2  # -inf where the row saw nothing
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+
+            def load_k(i, slot):
+                rows = (batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+            def load_v(i, slot):
+                rows = (batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head)
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < n_steps)
+                def _(i=i):
+                    load_k(i, i)
+                    load_v(i, i)
+
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _(i):
+                slot = lax.rem(i, jnp.array(stages, jnp.int32))
+                plgpu.barrier_wait(k_free.at[slot])
+                load_k(i + stages, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                load_v(i + stages, slot)
+
+    transforms = tile_transforms()
+    scratch = [
+        plgpu.SMEM((2, block_q, h), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
+        plgpu.SMEM((2, block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+    ]
+    operands = (ranges, offset, q_seg, kv_seg, q, k, v) if segments else (ranges, offset, q, k, v)
+    return plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+        scratch_types=scratch,
+        grid=(n, n_tiles, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*operands)
+
+
+@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages"))
+def mosaic_forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
+                   block_kv: int, stages: int):
+    """out [B,T,N,H], lse [B,N,T] of q [B,T,N,H], k/v [B,S,K,H] (T a multiple of 2 * block_q, S of block_kv)."""
+    return _forward(ranges, offset, q_seg, kv_seg, q, k, v, mask=mask, scale=scale, block_q=block_q,
+                    block_kv=block_kv, stages=stages)
