@@ -41,13 +41,17 @@ from mjax.kernels.attention.flash_common import (BACKWARD_CANDIDATES, FORWARD_CA
                                                  default_block_sizes, default_interpret, with_backward,
                                                  with_forward)
 from mjax.kernels.attention.flash_forward import flash_forward  # noqa: E402
-from mjax.kernels.attention.mosaic import MOSAIC_CANDIDATES, default_mosaic_blocks  # noqa: E402
+from mjax.kernels.attention.mosaic import (MOSAIC_CANDIDATES, default_mosaic_blocks,  # noqa: E402
+                                           mosaic_backward_parts, mosaic_forward_op)
 
 flags.DEFINE_string("json_out", "", "Write the environment, the sweep and the table as JSON here (rewritten after "
                     "each stage).")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU (at seqs 64,128, "
                   "or at --seqs where given).")
 flags.DEFINE_bool("tune", True, "Sweep the block sizes first (--notune: the table uses the library's defaults).")
+flags.DEFINE_list("sweep_kernels", ["pallas", "mosaic"], "Kernels whose block sizes --tune sweeps (the others "
+                  "use their defaults).")
+flags.DEFINE_list("heads", ["32", "8", "128"], "Query heads, KV heads, head dim of every case.")
 flags.DEFINE_list("seqs", ["2048", "4096", "8192"], "Sequence lengths of the table.")
 flags.DEFINE_integer("tokens", 32768, "Batch * seq of each table row.")
 flags.DEFINE_integer("skip_xla_bwd_over", 4096, "Skip xla's forward + backward above this seq (it materialises "
@@ -55,7 +59,7 @@ flags.DEFINE_integer("skip_xla_bwd_over", 4096, "Skip xla's forward + backward a
 flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
 FLAGS = flags.FLAGS
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEAD_DIM = 128
 TUNE_SEQ, TUNE_BATCH = 4096, 8
 WINDOW = 1024
 # --smoke: the same code paths at toy sizes; the sweep tries the first two configurations of each list (the blocks
@@ -144,10 +148,40 @@ def sweep_mosaic(heads, t, b, ceiling, rows):
                 best[kind] = min(best[kind], (seconds, name), key=lambda x: x[0])
             rows.append(row)
             print_sweep_row(row)
+    if best["fwd"][1] is not None:
+        backward_kernels(heads, t, b, candidates["default"], ceiling, rows)
     if best["fwd"][1] is None or best["bwd"][1] is None:
         return None
     fwd_cfg, bwd_cfg = candidates[best["fwd"][1]], candidates[best["bwd"][1]]
     return dataclasses.replace(bwd_cfg, block_q=fwd_cfg.block_q, block_kv=fwd_cfg.block_kv, stages=fwd_cfg.stages)
+
+
+def backward_kernels(heads, t, b, cfg, ceiling, rows):
+    """The Mosaic backward's two kernels alone on a saved forward, TFLOP/s of their own matmuls: dq does 3 and
+    dk/dv 4 products of the forward's 2 (the rest of the backward's time is XLA's delta = rowsum(O dO))."""
+    q, k, v, do = inputs(t, b, heads)
+    flop = causal_flops(b, t, heads[0], heads[2])
+    spec = MaskSpec(causal=True, window=None, offset=0, kv_len=t, kv_len_padded=t, q_len_padded=t, segments=False)
+    kw = dict(spec=spec, blocks=cfg, scale=heads[2] ** -0.5, interpret=False)
+    out, lse = jax.jit(lambda q, k, v: mosaic_forward_op(q, k, v, None, None, **kw))(q, k, v)
+    args = (q, k, v, out, lse, do, jnp.zeros_like(lse))
+
+    def part(name):
+        def run(q, k, v, out, lse, do, dlse, *lse2_delta):
+            parts = mosaic_backward_parts(q, k, v, None, None, out, lse, do, dlse, **kw)
+            return parts[name](*lse2_delta)
+        return jax.jit(run)
+
+    lse2_delta = part("delta")(*args)
+    for name, key, work in (("delta (XLA)", "delta", 0.0), ("dq kernel", "dq", 1.5 * flop),
+                            ("dk/dv kernel", "dkv", 2.0 * flop)):
+        extra = () if key == "delta" else lse2_delta
+        seconds, err = time_or_error(part(key), *args, *extra, min_s=FLAGS.min_time_s)
+        row = {"kind": "mosaic bwd part", "config": name, "error": err}
+        if seconds is not None:
+            rate(row, "", work, seconds, ceiling)
+        rows.append(row)
+        print_sweep_row(row)
 
 
 def hopper() -> bool:
@@ -220,6 +254,16 @@ def print_table_row(row):
     print(f"| {row['label']:28} | {row['seq']:6d} | {row['batch']:4d} | {cells[0]} | {cells[1]} |{tail}", flush=True)
 
 
+def parse_heads(values):
+    try:
+        heads = tuple(int(x) for x in values)
+    except ValueError:
+        heads = ()
+    if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1]:
+        raise BadInput(f"--heads={','.join(values)}: expected query heads, KV heads (dividing them), head dim")
+    return heads
+
+
 def parse_seqs(values):
     try:
         seqs = [int(s) for s in values]
@@ -242,7 +286,7 @@ def main():
         seqs = seqs if FLAGS["seqs"].present else SMOKE["seqs"]
         tokens, skip_xla_bwd_over = SMOKE["tokens"], SMOKE["skip_xla_bwd_over"]
     else:
-        heads, (tune_t, tune_b) = (HEADS, KV_HEADS, HEAD_DIM), (TUNE_SEQ, TUNE_BATCH)
+        heads, (tune_t, tune_b) = parse_heads(FLAGS.heads), (TUNE_SEQ, TUNE_BATCH)
         tokens, skip_xla_bwd_over = FLAGS.tokens, FLAGS.skip_xla_bwd_over
     interpret = FLAGS.smoke or default_interpret()
     dev = jax.devices()[0]
@@ -264,7 +308,7 @@ def main():
     save()
 
     blocks = None
-    if FLAGS.tune:
+    if FLAGS.tune and "pallas" in FLAGS.sweep_kernels:
         print(f"\nblock-size sweep at T={tune_t}, B={tune_b} (ceiling {ceiling:.4g} TFLOP/s):", flush=True)
         configs = SMOKE["configs"] if FLAGS.smoke else None
         blocks = sweep(heads, tune_t, tune_b, configs, ceiling, interpret, report["tuning"])
@@ -273,7 +317,7 @@ def main():
     blocks = {"pallas": blocks or default_block_sizes(heads[2])}
     if hopper() and not FLAGS.smoke:  # the Mosaic GPU kernels: Hopper only, no interpreter
         mosaic = None
-        if FLAGS.tune:
+        if FLAGS.tune and "mosaic" in FLAGS.sweep_kernels:
             print(f"\nmosaic block sweep at T={tune_t}, B={tune_b}:", flush=True)
             mosaic = sweep_mosaic(heads, tune_t, tune_b, ceiling, report["tuning"])
         blocks["mosaic"] = mosaic or default_mosaic_blocks(heads[2])

@@ -9,7 +9,8 @@ from mjax.config.base import field
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
-    attention_impl: str = field("auto", "attention_impl", "auto | xla | cudnn | pallas (mjax/kernels/attention).")
+    attention_impl: str = field("auto", "attention_impl", "auto | xla | cudnn | mosaic | pallas "
+                                "(mjax/kernels/attention; mosaic: Hopper only).")
     qkv_grad_impl: str = field("auto", "qkv_grad_impl", "auto | xla | pallas: the fused QKV projection's gradient "
                                "assembly (auto: pallas on a GPU where it tiles).")
     cross_entropy_impl: str = field("reference", "cross_entropy_impl",

@@ -249,7 +249,7 @@ def validate_context_parallel(cfg: Config) -> None:
     ring = p.cp // a2a
     if (ring > 1 or p.cp_comm_type == "all_gather") and cfg.execution.attention_impl == "cudnn":
         raise ConfigError(f"--cp_comm_type={p.cp_comm_type} attends in blocks at run-time offsets, merged by their "
-                          "log-sum-exp, and cuDNN gives neither: use --attention_impl=pallas (or auto), or "
+                          "log-sum-exp, and cuDNN gives neither: use --attention_impl=mosaic or pallas (or auto), or "
                           "--cp_comm_type=a2a")
 
 

@@ -1,6 +1,6 @@
 """The kernels' option names and static capability facts, importable without JAX (config validation reads them)."""
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "mosaic", "pallas")
 QUANT_IMPLS = ("auto", "xla", "pallas")
 QKV_GRAD_IMPLS = ("auto", "xla", "pallas")
 CROSS_ENTROPY_IMPLS = ("reference", "fused")

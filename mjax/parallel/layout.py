@@ -7,8 +7,11 @@ Pure arithmetic (no JAX), so the training script, the mesh and the layout planne
 import dataclasses
 import logging
 
+import jax
+
 from mjax.config.base import ConfigError
 from mjax.config.validate import check_blockwise_dims, pipeline_schedule, positive, validate
+from mjax.kernels.device import is_hopper
 
 log = logging.getLogger("mjax")
 
@@ -63,9 +66,20 @@ def resolve_batch(cfg, num_devices: int) -> Batching:
     return Batching(shards, micro, per_shard // micro, chosen)
 
 
+def check_attention_device(impl: str) -> None:
+    """An --attention_impl that names a GPU kernel needs that GPU (the per-call rules are the dispatch's)."""
+    backend = jax.default_backend()
+    if impl == "cudnn" and backend != "gpu":
+        raise ConfigError(f"--attention_impl=cudnn needs a GPU (the backend is {backend}); use --attention_impl=auto")
+    if impl == "mosaic" and not is_hopper():
+        raise ConfigError(f"--attention_impl=mosaic needs a Hopper GPU (compute capability 9.0), not "
+                          f"{jax.devices()[0].device_kind}; use --attention_impl=auto or pallas")
+
+
 def validate_layout(cfg, num_devices: int) -> Batching:
     """Every check of a run on `num_devices` devices, before anything is traced; returns its batching."""
     validate(cfg)
+    check_attention_device(cfg.execution.attention_impl)
     resolve_data_parallel(cfg, num_devices)
     batching = resolve_batch(cfg, num_devices)
     p = cfg.parallel

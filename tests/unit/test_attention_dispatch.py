@@ -19,6 +19,12 @@ GPU_BF16 = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=128, segment_ids=Fal
     (dict(sliding_window=4096), "cudnn"),
     (dict(segment_ids=True), "pallas"),
     (dict(return_lse=True), "pallas"),
+    (dict(segment_ids=True, hopper=True), "mosaic"),
+    (dict(return_lse=True, offset=True, hopper=True), "mosaic"),
+    (dict(sliding_window=512, causal=False, hopper=True), "mosaic"),
+    (dict(hopper=True), "cudnn"),
+    (dict(dtype=jnp.float32, hopper=True), "pallas"),
+    (dict(head_dim=40, segment_ids=True, hopper=True), "mosaic"),
     (dict(dtype=jnp.float32), "pallas"),
     (dict(sliding_window=512, causal=False), "pallas"),
     (dict(q_len=1, kv_len=4096), "pallas"),
@@ -39,6 +45,10 @@ def test_auto_follows_the_capability_table(facts, want):
     ("pallas", dict(head_dim=512), "head dim"),
     ("pallas", dict(dtype=jnp.int8), "bfloat16/float16/float32"),
     ("pallas", dict(backend="tpu"), "runs on GPU"),
+    ("mosaic", dict(), "Hopper GPU"),
+    ("mosaic", dict(backend="cpu", hopper=True), "Hopper GPU"),
+    ("mosaic", dict(dtype=jnp.float32, hopper=True), "bfloat16/float16"),
+    ("mosaic", dict(head_dim=264, hopper=True), "head dim"),
     ("auto", dict(head_dim=512), "--attention_impl=xla"),
     ("flash", dict(), "not one of"),
 ])
@@ -48,9 +58,9 @@ def test_impossible_requests_raise_naming_the_option(impl, facts, match):
     assert "attention_impl" in str(err.value)
 
 
-@pytest.mark.parametrize("impl", ["xla", "cudnn", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "cudnn", "mosaic", "pallas"])
 def test_explicit_choice_is_kept(impl):
-    assert choose_impl(impl, **GPU_BF16) == impl
+    assert choose_impl(impl, **GPU_BF16, hopper=True) == impl
 
 
 def test_dispatch_on_cpu_runs_each_possible_impl(caplog):
@@ -70,6 +80,8 @@ def test_dispatch_on_cpu_runs_each_possible_impl(caplog):
     assert "attention: xla (requested auto)" in logged and "attention: pallas (requested pallas)" in logged
     with pytest.raises(AttentionUnsupported, match="cudnn"):
         dot_product_attention(q, k, v, impl="cudnn")
+    with pytest.raises(AttentionUnsupported, match="--attention_impl=mosaic cannot do this call: mosaic needs a Hopper"):
+        dot_product_attention(q, k, v, impl="mosaic")
     with pytest.raises(AttentionUnsupported, match="multiple of KV heads"):
         dot_product_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), impl="pallas")
 

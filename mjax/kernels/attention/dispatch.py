@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from mjax.kernels.attention.cudnn import cudnn_attention
 from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.attention.reference import reference_attention, reference_attention_backward
+from mjax.kernels.device import is_hopper
 from mjax.kernels.options import ATTENTION_IMPLS
 
 log = logging.getLogger(__name__)
@@ -20,14 +21,19 @@ log = logging.getLogger(__name__)
 IMPLS = ATTENTION_IMPLS
 
 
-def _pallas_attention(q, k, v, **kwargs):
-    from mjax.kernels.attention import flash, sharded  # noqa: PLC0415  (import only when chosen)
+def _flash_kernel(kernel: str):
+    """mjax's flash kernels: Triton ("pallas") or Hopper ("mosaic"), per shard under a mesh (sharded.py)."""
+    def attend(q, k, v, **kwargs):
+        from mjax.kernels.attention import flash, sharded  # noqa: PLC0415  (import only when chosen)
 
-    sharded.check_whole_sequences(q.shape[1], k.shape[1])
-    return flash.flash_attention(q, k, v, **kwargs)  # per shard under a mesh (sharded.py)
+        sharded.check_whole_sequences(q.shape[1], k.shape[1])
+        return flash.flash_attention(q, k, v, kernel=kernel, **kwargs)
+
+    return attend
 
 
-_IMPL_FNS = {"xla": reference_attention, "cudnn": cudnn_attention, "pallas": _pallas_attention}
+_IMPL_FNS = {"xla": reference_attention, "cudnn": cudnn_attention, "mosaic": _flash_kernel("mosaic"),
+             "pallas": _flash_kernel("pallas")}
 
 
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -35,7 +41,7 @@ HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
                     causal: bool = True, sliding_window=None, q_len=None, kv_len=None,
-                    offset: bool = False) -> str | None:
+                    offset: bool = False, hopper: bool = False) -> str | None:
     """The capability table: None if `impl` can do this call, else the reason in words."""
     dtype = jnp.dtype(dtype)
     if impl == "xla":
@@ -58,6 +64,17 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
         if causal and q_len is not None and kv_len is not None and q_len != kv_len:
             return "cudnn aligns the causal mask differently when query and key lengths differ"
         return None
+    if impl == "mosaic":
+        from mjax.kernels.attention.flash import MAX_HEAD_DIM  # noqa: PLC0415
+
+        if backend != "gpu" or not hopper:
+            return ("mosaic needs a Hopper GPU (compute capability 9.0: wgmma, TMA), "
+                    f"not {'a GPU of another generation' if backend == 'gpu' else backend}")
+        if dtype not in [jnp.dtype(d) for d in HALF_DTYPES]:
+            return f"mosaic takes bfloat16/float16, not {dtype}"
+        if head_dim > MAX_HEAD_DIM or head_dim % 8:
+            return f"mosaic needs a head dim that is a multiple of 8 up to {MAX_HEAD_DIM}, not {head_dim}"
+        return None
     if impl == "pallas":
         from mjax.kernels.attention.flash import DTYPES, MAX_HEAD_DIM  # noqa: PLC0415
 
@@ -72,17 +89,20 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
 
 
 def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
-                causal: bool = True, sliding_window=None, q_len=None, kv_len=None, offset: bool = False) -> str:
+                causal: bool = True, sliding_window=None, q_len=None, kv_len=None, offset: bool = False,
+                hopper: bool = False) -> str:
     """The capability table behind `auto`; an explicit choice is checked, never replaced.
 
-    auto: on GPU cuDNN when it can (fastest for plain causal attention), else the Pallas kernel (segment ids,
-    log-sum-exp, fp32, non-causal windows); off GPU, XLA. If nothing fast fits on a GPU, auto raises rather
+    auto, in order of measured training speed (forward + backward, docs/kernels.md): on GPU cuDNN when it can
+    (plain causal or windowed attention), else on Hopper the Mosaic GPU kernel, else the Triton kernel (segment
+    ids, log-sum-exp, fp32, non-causal windows); off GPU, XLA. If nothing fast fits on a GPU, auto raises rather
     than silently materialising the T x S logits: choose --attention_impl=xla explicitly for that.
     """
     if impl not in IMPLS:
         raise AttentionUnsupported(f"--attention_impl={impl!r} is not one of {', '.join(IMPLS)}")
     facts = dict(backend=backend, dtype=dtype, head_dim=head_dim, segment_ids=segment_ids, return_lse=return_lse,
-                 causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len, offset=offset)
+                 causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len, offset=offset,
+                 hopper=hopper)
     if impl != "auto":
         reason = why_unsupported(impl, **facts)
         if reason:
@@ -92,7 +112,7 @@ def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: b
     if backend != "gpu":
         return "xla"
     reasons = {}
-    for candidate in ("cudnn", "pallas"):
+    for candidate in ("cudnn", "mosaic", "pallas"):
         reasons[candidate] = why_unsupported(candidate, **facts)
         if reasons[candidate] is None:
             return candidate
@@ -120,7 +140,7 @@ def _choose(impl, q, k, *, causal, sliding_window, segment_ids, return_lse, offs
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
                          segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
                          sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1],
-                         offset=offset is not None)
+                         offset=offset is not None, hopper=is_hopper())
     _log_choice(impl, chosen, q.shape, str(q.dtype))
     return chosen
 
@@ -141,17 +161,17 @@ def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_
 def attention_block_backward(q, k, v, out, lse, do, *, causal=True, sliding_window=None, segment_ids=None,
                              scale=None, impl="auto", offset=None):
     """(dq, dk, dv) of one block of a larger attention whose merged output `out` and log-sum-exp `lse` are given:
-    the backward of ring attention's blocks, by the implementation `impl` names (xla or pallas: the ones that
-    return the log-sum-exp its forward merges)."""
+    the backward of ring attention's blocks, by the implementation `impl` names (xla, mosaic or pallas: the ones
+    that return the log-sum-exp its forward merges)."""
     check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
     chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
                      return_lse=True, offset=offset)
+    kw = dict(causal=causal, sliding_window=sliding_window, segment_ids=segment_ids, scale=scale, offset=offset)
     if chosen == "xla":
-        backward = reference_attention_backward
-    else:
-        from mjax.kernels.attention.flash import flash_attention_backward as backward  # noqa: PLC0415
-    return backward(q, k, v, out, lse, do, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
-                    scale=scale, offset=offset)
+        return reference_attention_backward(q, k, v, out, lse, do, **kw)
+    from mjax.kernels.attention.flash import flash_attention_backward  # noqa: PLC0415
+
+    return flash_attention_backward(q, k, v, out, lse, do, kernel=chosen, **kw)
 
 
 @functools.cache

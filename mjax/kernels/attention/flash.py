@@ -35,23 +35,25 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
 
 
-def check_supported(q_shape, k_shape, v_shape, dtype, *, sliding_window=None, segment_ids=None):
+def check_supported(q_shape, k_shape, v_shape, dtype, *, sliding_window=None, segment_ids=None, kernel="pallas"):
     """Raises AttentionUnsupported, naming what to change, for anything this kernel cannot do."""
+    name = f"attention_impl={kernel}"
     if len(q_shape) != 4 or len(k_shape) != 4 or tuple(k_shape) != tuple(v_shape):
         raise AttentionUnsupported(
-            f"attention_impl=pallas expects q [B,T,N,H] and k, v [B,S,K,H] of one shape; got q{tuple(q_shape)} "
+            f"{name} expects q [B,T,N,H] and k, v [B,S,K,H] of one shape; got q{tuple(q_shape)} "
             f"k{tuple(k_shape)} v{tuple(v_shape)}")
     b, t, n, h = q_shape
     if k_shape[0] != b or k_shape[3] != h:
-        raise AttentionUnsupported(f"attention_impl=pallas needs q and k/v with the same batch and head dim; got "
+        raise AttentionUnsupported(f"{name} needs q and k/v with the same batch and head dim; got "
                                    f"q{tuple(q_shape)} k{tuple(k_shape)}")
     if n % k_shape[2]:
         raise AttentionUnsupported(f"query heads {n} are not a multiple of KV heads {k_shape[2]}")
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
-        raise AttentionUnsupported(f"attention_impl=pallas takes bfloat16, float16 or float32 inputs, not {dtype}; "
-                                   "set the compute dtype to bfloat16")
+    dtypes = DTYPES[:2] if kernel == "mosaic" else DTYPES
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise AttentionUnsupported(f"{name} takes {', '.join(jnp.dtype(d).name for d in dtypes)} inputs, not "
+                                   f"{dtype}; set the compute dtype to bfloat16")
     if h > MAX_HEAD_DIM or h % 8:
-        raise AttentionUnsupported(f"attention_impl=pallas supports head dims that are multiples of 8 up to "
+        raise AttentionUnsupported(f"{name} supports head dims that are multiples of 8 up to "
                                    f"{MAX_HEAD_DIM}, not {h}; use --attention_impl=xla")
     if sliding_window is not None and sliding_window < 1:
         raise AttentionUnsupported(f"sliding_window must be >= 1, got {sliding_window}")
@@ -105,9 +107,12 @@ class _Call(NamedTuple):
 
 
 def _prepare(q, k, v, causal, sliding_window, segment_ids, scale, offset, block_sizes, interpret, kernel) -> _Call:
-    check_supported(q.shape, k.shape, v.shape, q.dtype, sliding_window=sliding_window, segment_ids=segment_ids)
+    if kernel not in ("pallas", "mosaic"):
+        raise AttentionUnsupported(f"flash_attention kernel={kernel!r} is not pallas or mosaic")
+    check_supported(q.shape, k.shape, v.shape, q.dtype, sliding_window=sliding_window, segment_ids=segment_ids,
+                    kernel=kernel)
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise AttentionUnsupported(f"attention_impl=pallas needs q, k, v of one dtype; got {q.dtype}, {k.dtype}, "
+        raise AttentionUnsupported(f"attention_impl={kernel} needs q, k, v of one dtype; got {q.dtype}, {k.dtype}, "
                                    f"{v.dtype}")
     b, t, n, h = q.shape
     s = k.shape[1]

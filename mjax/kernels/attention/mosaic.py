@@ -154,25 +154,45 @@ def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, bl
                           block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages)
 
 
+def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=None, *, spec: MaskSpec,
+                          blocks: MosaicBlocks, scale: float, interpret: bool) -> dict:
+    """The backward's stages as thunks (for timing them apart): "delta" (XLA: lse2 and rowsum(O dO) - dlse),
+    "dq" -> dq, "dkv" -> (dk, dv)."""
+    del interpret  # no interpreter: GPU only
+    offsets = _offsets(spec, offset, q.shape[0])
+    mask = _mask(spec)
+
+    def delta():
+        lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)  # rows that saw nothing: P = exp2(s - inf) = 0
+        return lse2, jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+
+    def dq(lse2=None, dlt=None):
+        lse2, dlt = delta() if lse2 is None else (lse2, dlt)
+        runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
+                          by_query=True)
+        return mosaic_dq(runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask, scale=scale,
+                         block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq)
+
+    def dkv(lse2=None, dlt=None):
+        lse2, dlt = delta() if lse2 is None else (lse2, dlt)
+        runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
+                          by_query=False)
+        call = functools.partial(mosaic_dkv, runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask,
+                                 scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
+                                 stages=blocks.stages_dkv)
+        if q.shape[-1] > 128:  # one [64, 256] float32 accumulator per warpgroup: dk and dv in two passes
+            (dk,), (dv,) = call(parts=("dk",)), call(parts=("dv",))
+            return dk, dv
+        return tuple(call(parts=("dk", "dv")))
+
+    return {"delta": delta, "dq": dq, "dkv": dkv}
+
+
 def mosaic_backward_op(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=None, *, spec: MaskSpec,
                        blocks: MosaicBlocks, scale: float, interpret: bool):
     """(dq, dk, dv) of the padded operands, given the forward's out and lse and the cotangents do, dlse."""
-    del interpret
-    offsets = _offsets(spec, offset, q.shape[0])
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)  # rows that saw nothing: P = exp2(s - inf) = 0
-    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
-    mask = _mask(spec)
-    dq_runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
-                         by_query=True)
-    dq = mosaic_dq(dq_runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale,
-                   block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq)
-    kv_runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
-                         by_query=False)
-    dkv = functools.partial(mosaic_dkv, kv_runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask,
-                            scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
-                            stages=blocks.stages_dkv)
-    if q.shape[-1] > 128:  # one [64, 256] float32 accumulator per warpgroup: dk and dv in two passes
-        (dk,), (dv,) = dkv(parts=("dk",)), dkv(parts=("dv",))
-    else:
-        dk, dv = dkv(parts=("dk", "dv"))
-    return dq, dk, dv
+    parts = mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset, spec=spec, blocks=blocks,
+                                  scale=scale, interpret=interpret)
+    lse2, dlt = parts["delta"]()
+    dk, dv = parts["dkv"](lse2, dlt)
+    return parts["dq"](lse2, dlt), dk, dv

@@ -78,19 +78,15 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
             def step(j, dq, masked: bool):
                 slot = slot_of(j)
                 plgpu.barrier_wait(k_bar.at[slot])
-
-                def s_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(s_scope, plgpu.ACC(shape, jnp.float32))
                 plgpu.barrier_wait(v_bar.at[slot])
+                zeros = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), WGMMA)
 
-                def dp_scope(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
+                def s_dp(refs):  # both products behind one wgmma wait
+                    s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
 
-                dp = pl.run_scoped(dp_scope, plgpu.ACC(shape, jnp.float32))
+                s, dp = pl.run_state(s_dp)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(v_free.at[slot])
                 p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(lse, shape, [0]))
                 if masked:

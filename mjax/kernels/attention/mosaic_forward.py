@@ -74,10 +74,14 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             def slot_of(j):
                 return lax.rem(j - lo_all, jnp.array(stages, jnp.int32))
 
-            def step(j, carry, masked: bool):
+            def wait_next_k(j):  # K of the next block, waited while this block's P V runs
+                @pl.when(j + 1 < hi_all)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[slot_of(j + 1)])
+
+            def step(j, carry, masked: bool):  # K of block j has been waited for
                 acc, m_i, l_i = carry
                 slot = slot_of(j)
-                plgpu.barrier_wait(k_bar.at[slot])
 
                 def qk_scope(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -117,6 +121,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_k(j)
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -124,13 +129,17 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
             def skip(j, carry):  # a block of the other warpgroup's runs: keep the stages and barriers in step
                 slot = slot_of(j)
-                plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 schedule_barrier()
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
+                wait_next_k(j)
                 return carry
+
+            @pl.when(hi_all > lo_all)
+            def _():
+                plgpu.barrier_wait(k_bar.at[0])
 
             pl.when(wg == 1)(schedule_barrier)
             acc, m_i, l_i = walk_union(lo_all, hi_all, own_runs(ranges_ref, batch, my_tile), step, skip,

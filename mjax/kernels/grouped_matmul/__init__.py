@@ -34,6 +34,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from mjax.kernels.device import is_hopper
 from mjax.kernels.grouped_matmul.reference import grouped_matmul_reference
 from mjax.kernels.grouped_matmul.tiling import (DTYPES, KernelTile, Tiling, blockwise_tiling_problem,
                                                 default_blockwise_tiling, default_fp8_tiling,
@@ -173,7 +174,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", tiling: Tiling | No
     (m, k), n = x.shape, w.shape[2]
     backend = jax.default_backend()
     chosen = choose_impl(impl, backend=backend, dtype=x.dtype, k=k, n=n, tiling=tiling, m=m, groups=w.shape[0],
-                         hopper=_is_hopper())
+                         hopper=is_hopper())
     _log_choice(impl, chosen, (m, k), tuple(w.shape), str(x.dtype))
     if chosen == "xla":
         return grouped_matmul_reference(x, w, group_sizes)
@@ -265,11 +266,6 @@ def blockwise_grouped_matmul(x, w, group_sizes, meta, fp8_format: str = "hybrid"
                            plan)
     return ys if many else ys[0]
 
-
-def _is_hopper() -> bool:
-    """Whether the default device is an NVIDIA GPU of compute capability 9.x (wgmma; mosaic's kernels)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "0")).startswith("9")
 
 
 @functools.cache
