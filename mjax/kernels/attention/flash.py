@@ -159,8 +159,9 @@ def _pad_axis(x, axis, size, mode="constant"):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _flash(q, k, v, q_seg, kv_seg, offset, kernel, spec, blocks, scale, interpret):
-    return sharded_forward(q, k, v, q_seg, kv_seg, offset, kernel=kernel, spec=spec, blocks=blocks, scale=scale,
-                           interpret=interpret)
+    out, lse = sharded_forward(q, k, v, q_seg, kv_seg, offset, kernel=kernel, spec=spec, blocks=blocks, scale=scale,
+                               interpret=interpret)
+    return out, lse  # a tuple, as _flash_fwd's: a kernel may return a list
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, offset, kernel, spec, blocks, scale, interpret):
