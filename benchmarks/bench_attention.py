@@ -1,4 +1,4 @@
-"""Attention speed on the GPU: mjax's Pallas flash attention against cuDNN (jax.nn.dot_product_attention) and the
+"""Attention speed on the GPU: mjax's flash attention kernels (Mosaic GPU on Hopper, Triton) against cuDNN (jax.nn.dot_product_attention) and the
 unfused XLA reference, beside the bf16 matmul ceiling measured in the same run. One table and JSON.
 
     python -m benchmarks.bench_attention --json_out=$OUT/attention.json
@@ -8,7 +8,9 @@ unfused XLA reference, beside the bf16 matmul ceiling measured in the same run. 
 1. Block-size sweep (--notune skips it): a few block/warp/stage configurations of the forward kernel, then of the
    two backward kernels alone on a saved forward output and LSE, at T=4096, B=8, 32 query / 8 KV heads, head dim
    128, causal, bf16. The fastest forward and the fastest backward go into the table.
-2. Table: forward and forward + backward of pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
+   On a Hopper GPU also the Mosaic kernels' blocks (the default and mosaic.MOSAIC_CANDIDATES, forward and
+   forward + backward, then the backward's two kernels and XLA's delta timed apart); --sweep_kernels picks which.
+2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
    (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
    then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x

@@ -13,10 +13,10 @@ a traced int32 scalar or [B] array is a kernel operand: context parallelism's bl
 `flash_attention_backward` is the blockwise backward that ring attention runs against its merged output. Under a
 mesh the forward and the backward kernel each run per shard of the batch and heads (sharded.py).
 
-Why Triton lowering: it runs the same kernel in interpret mode on CPU (the tests), and in jax 0.11/0.12 it is
-the Pallas GPU path that needs no Hopper-only primitives; the Mosaic GPU attention in jax had no bf16 and no
-causal backward on jaxlib 0.11.2. Sequence lengths that are not block multiples are zero-padded here and the
-padding is masked in the kernels; head dims that are not powers of two are zero-padded up to one.
+Two kernel families share this wrapper (`kernel=`): "pallas", Triton lowering, which runs interpreted on CPU (the
+tests) and on any GPU; "mosaic", Hopper's Mosaic GPU kernels (mosaic.py: TMA, wgmma, warp specialisation), GPU
+only. Sequence lengths that are not block multiples are zero-padded here and the padding is masked in the
+kernels; head dims are zero-padded up to what the kernels tile (a power of two; 64/128/256 for mosaic).
 """
 
 import functools
