@@ -1,5 +1,6 @@
-"""Attention speed on the GPU: mjax's flash attention kernels (Mosaic GPU on Hopper, Triton) against cuDNN (jax.nn.dot_product_attention) and the
-unfused XLA reference, beside the bf16 matmul ceiling measured in the same run. One table and JSON.
+"""Attention speed on the GPU: mjax's flash attention kernels (Mosaic GPU on Hopper, Triton) against cuDNN
+(jax.nn.dot_product_attention) and the unfused XLA reference, beside the bf16 matmul ceiling measured in the same
+run. One table and JSON.
 
     python -m benchmarks.bench_attention --json_out=$OUT/attention.json
     python -m benchmarks.bench_attention --notune --seqs=4096
