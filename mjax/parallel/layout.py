@@ -7,11 +7,8 @@ Pure arithmetic (no JAX), so the training script, the mesh and the layout planne
 import dataclasses
 import logging
 
-import jax
-
 from mjax.config.base import ConfigError
 from mjax.config.validate import check_blockwise_dims, pipeline_schedule, positive, validate
-from mjax.kernels.device import is_hopper
 
 log = logging.getLogger("mjax")
 
@@ -68,6 +65,12 @@ def resolve_batch(cfg, num_devices: int) -> Batching:
 
 def check_attention_device(impl: str) -> None:
     """An --attention_impl that names a GPU kernel needs that GPU (the per-call rules are the dispatch's)."""
+    if impl not in ("cudnn", "mosaic"):
+        return
+    import jax  # noqa: PLC0415  (validating a config of other choices loads no JAX)
+
+    from mjax.kernels.device import is_hopper  # noqa: PLC0415
+
     backend = jax.default_backend()
     if impl == "cudnn" and backend != "gpu":
         raise ConfigError(f"--attention_impl=cudnn needs a GPU (the backend is {backend}); use --attention_impl=auto")
