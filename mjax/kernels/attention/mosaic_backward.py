@@ -214,8 +214,6 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
             own = own_runs(ranges_ref, batch, 2 * tile + wg)
 
             def head_steps(g, carry):
-                q_head = kv_head * groups + g
-
                 def step(i, carry, masked: bool):
                     dk, dv = carry
                     slot = slot_of(g, i)
@@ -277,7 +275,6 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                     plgpu.barrier_arrive(q_free.at[slot])
                     return carry
 
-                del q_head
                 return walk_union(lo_all, hi_all, own, step, skip, carry)
 
             zero = plgpu.layout_cast(jnp.full((block_kv, h), 0, jnp.float32), WGMMA)
