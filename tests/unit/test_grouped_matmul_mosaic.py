@@ -36,7 +36,9 @@ def test_default_tiles_and_tile_problems():
     assert default_mosaic_tiling(256, 320).wgrad.block_n == 64
     assert default_mosaic_tiling(2048, 1472).wgrad.block_n == 64  # 23 x 64
     assert "accumulator" in mosaic_tile_problem("forward", KernelTile(128, 256, 64, 4, 4), 2048, 768)
-    assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 8, 4), 2048, 768)
+    assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 2, 4), 2048, 768)
+    assert mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 4), 2048, 768) is None  # warp-specialised
+    assert "shared memory" in mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 5), 2048, 768)
     assert mosaic_tile_problem("dgrad", KernelTile(128, 192, 64, 4, 4), 2048, 768) is None  # a partial last tile
     assert "multiple of block_n" in mosaic_tile_problem("wgrad", KernelTile(128, 192, 64, 4, 4), 2048, 640)
     assert "multiple of block_k" in mosaic_tile_problem("dgrad", KernelTile(128, 128, 128, 4, 4), 2048, 704)
@@ -62,8 +64,19 @@ def test_forward_dgrad_and_wgrad_lower_for_cuda(dtype, rows):
     assert _mosaic_calls(rows, 320, 384, 5, dtype, tiling) == 3
 
 
-def test_other_tiles_lower_too():
-    tiling = Tiling(KernelTile(64, 64, 64, 4, 3, 1), KernelTile(128, 64, 128, 4, 2, 2), KernelTile(64, 128, 64, 4, 5, 8))
+def test_chained_pipelines_lower():
+    # Warp-specialised; 8 and 12 depth steps of 64: multiples of the 4 stages (4 x 40 + 48 KiB of shared memory)
+    tiling = Tiling(KernelTile(128, 192, 64, 8, 4, 4), KernelTile(128, 192, 64, 8, 4, 4),
+                    KernelTile(128, 128, 64, 8, 6, 4))
+    for kernel in ("forward", "dgrad", "wgrad"):
+        assert mosaic_tile_problem(kernel, getattr(tiling, kernel), 512, 768) is None
+    assert _mosaic_calls(1000, 512, 768, 3, jnp.bfloat16, tiling) == 3
+
+
+@pytest.mark.parametrize("warps", [4, 8])  # one warpgroup; a memory and a compute warpgroup
+def test_other_tiles_lower_too(warps):
+    tiling = Tiling(KernelTile(64, 64, 64, warps, 3, 1), KernelTile(128, 64, 128, warps, 2, 2),
+                    KernelTile(64, 128, 64, warps, 5, 8))
     assert _mosaic_calls(1000, 256, 128, 3, jnp.bfloat16, tiling) == 3
 
 

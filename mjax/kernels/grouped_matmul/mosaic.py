@@ -14,7 +14,8 @@ another group or to the padding, in both operands (the padding may hold non-fini
 
 A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
 num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
-num_warps is 4 (one warpgroup computes the tile). `mosaic_tile_problem` checks a tile.
+num_warps 4: one warpgroup loads and computes the tile (this module), 8: a memory warpgroup loads and a compute
+warpgroup computes (mosaic_specialized.py). `mosaic_tile_problem` checks a tile.
 """
 
 import functools
@@ -25,12 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.grouped_matmul.schedule import group_bounds, max_row_tiles, row_tiles
-from mjax.kernels.grouped_matmul.tiling import KernelTile, Tiling
+from mjax.kernels.grouped_matmul import mosaic_specialized
+from mjax.kernels.grouped_matmul.mosaic_parts import keep_rows, store_rows, swizzled, wgrad_bounds
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.tiling import SHARED_MEMORY_BYTES, KernelTile, Tiling
 
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 # One warpgroup holds the float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 255 there are.
 MAX_TILE_ELEMENTS = 128 * 192
+SPECIALIZED_WARPS = 8  # a tile of this many warps runs the warp-specialised kernels
 
 
 def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | None:
@@ -48,30 +52,16 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
     if tile.block_m * tile.block_n > MAX_TILE_ELEMENTS:
         return (f"the Mosaic GPU {kernel} tile {tile} holds {tile.block_m * tile.block_n} accumulator elements in one "
                 f"warpgroup's registers (at most {MAX_TILE_ELEMENTS})")
-    if tile.num_warps != 4:
-        return f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup)"
+    if tile.num_warps not in (4, SPECIALIZED_WARPS):
+        return (f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup) or "
+                f"{SPECIALIZED_WARPS} (warp-specialised)")
+    # The warp-specialised kernels keep their output tile's shared memory beside the load ring (16-bit operands).
+    ring = tile.shared_bytes(2)
+    shared = ring + (2 * tile.block_m * tile.block_n if tile.num_warps == SPECIALIZED_WARPS else 0)
+    if shared > SHARED_MEMORY_BYTES:
+        return (f"the Mosaic GPU {kernel} tile {tile} needs {shared // 1024} KiB of shared memory (at most "
+                f"{SHARED_MEMORY_BYTES // 1024}); use fewer stages or smaller blocks")
     return None
-
-
-def _store_rows(acc, out_gmem, row0, first, count, col0, tile: KernelTile):
-    """Stores rows [first, first + count) of the block at row0 (count <= block_m, a run-time value) from acc."""
-    bm, bn = tile.block_m, tile.block_n
-
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_gmem.dtype))
-    def _(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        offset = first
-        size = 1 << (bm.bit_length() - 1)
-        while size:  # count = the sum of its set bits: one static-shape TMA copy per bit, in order
-            @pl.when(count & size != 0)
-            def _(size=size, offset=offset):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)],
-                                        out_gmem.at[pl.ds(row0 + offset, size), pl.ds(col0, bn)])
-
-            offset = offset + (count & size)
-            size //= 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int):
@@ -115,7 +105,11 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
             @pl.when(seg <= groups)  # unused visits store nothing
             def _():
                 row0 = block * bm
-                _store_rows(acc, out_gmem, row0, first - row0, last - first, j * bn, tile)
+
+                @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_gmem.dtype))
+                def _(o_smem):
+                    store_rows(acc, o_smem, out_gmem, row0, first - row0, last - first, j * bn, bm, bn)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, cols), a.dtype), grid=(num_sms,), grid_names=("sm",),
@@ -128,15 +122,9 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    starts, ends = group_bounds(group_sizes, rows)
-    block_starts = starts // bk * bk
-    chunks = jnp.where(ends > starts, (ends + bk - 1) // bk - starts // bk, 0)
-    bounds = jnp.stack([starts, ends, block_starts, chunks])  # [4, G]
+    bounds = wgrad_bounds(group_sizes, rows, bk)  # [4, G]
     n_k_blocks, n_n_blocks = k // bm, n // bn
-    # Every tile's minor dimension is a multiple of 64 elements: 128-byte rows, the widest swizzle.
-    swizzle = plgpu.find_swizzle(64 * jnp.dtype(x.dtype).itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x.dtype).itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    transforms = swizzled(x.dtype)
 
     def body(bounds_gmem, x_gmem, dy_gmem, dw_gmem):
         @plgpu.nd_loop((groups, n_k_blocks * n_n_blocks), collective_axes="sm")
@@ -146,11 +134,6 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
             start, end, block_start, n_chunks = (bounds_gmem[r, g] for r in range(4))
             head = lax.rem(start, bk)  # rows of the first chunk before the group
             tail = lax.rem(end, bk)  # rows of the last chunk in the group (0: all of them)
-
-            def keep_rows(ref, keep):
-                rows_ids = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-                ref[...] = jnp.where(keep(rows_ids), ref[...], jnp.zeros(ref.shape, ref.dtype))  # NaN * 0 is NaN
-                plgpu.commit_smem()
 
             def acc_scope(acc_ref):
                 def step(c, x_smem, dy_smem):
@@ -199,22 +182,27 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     return kernel(bounds, x, dy)
 
 
+def _row_kernel(tile: KernelTile):
+    return mosaic_specialized.row_block_matmul if tile.num_warps == SPECIALIZED_WARPS else _row_block_matmul
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
 def forward(x, w, group_sizes, *, tile: KernelTile, num_sms: int):
     """y [M, N] = x [M, K] . w[g] [K, N] per group, zero rows past sum(group_sizes); y in x.dtype."""
-    return _row_block_matmul(x, w, group_sizes, tile=tile, transpose_w=False, num_sms=num_sms)
+    return _row_kernel(tile)(x, w, group_sizes, tile=tile, transpose_w=False, num_sms=num_sms)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
 def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int):
     """dx [M, K] = dy [M, N] . w[g]^T per group, zero rows past sum(group_sizes); dx in dy.dtype."""
-    return _row_block_matmul(dy, w, group_sizes, tile=tile, transpose_w=True, num_sms=num_sms)
+    return _row_kernel(tile)(dy, w, group_sizes, tile=tile, transpose_w=True, num_sms=num_sms)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
 def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     """dw [G, K, N] = x_g^T dy_g per group (zeros for empty groups), in x.dtype."""
-    return _wgrad(x, dy, group_sizes, tile=tile, num_sms=num_sms)
+    kernel = mosaic_specialized.wgrad if tile.num_warps == SPECIALIZED_WARPS else _wgrad
+    return kernel(x, dy, group_sizes, tile=tile, num_sms=num_sms)
 
 
 def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):

@@ -172,7 +172,8 @@ def default_mosaic_tiling(k: int, n: int) -> Tiling | None:
     """Tiles of the Mosaic GPU kernels (mosaic.py), None unless K and N are multiples of 64: 128-row tiles, 64 deep,
     4 stages, as wide as one warpgroup's accumulator allows (192 columns). Forward and dgrad may end in a partial
     column tile: their width maximises the columns used times the tile's operand reuse bn / (bm + bn); wgrad takes
-    the widest that divides. On an H200 128 x 192 beat 128 x 128 by 14% in the forward (docs/moe.md)."""
+    the widest that divides. On an H200 128 x 192 beat 128 x 128 by 14% in the forward (docs/moe.md). The
+    warp-specialised tiles (num_warps=8) are not the default yet (docs/moe.md says why)."""
     if k % 64 or n % 64:
         return None
 

@@ -1,0 +1,48 @@
+"""What both families of Mosaic GPU grouped matmul kernels (mosaic.py, mosaic_specialized.py) share: the swizzled
+shared-memory layout of their operand tiles, the row-slice stores of a visit, the wgrad's per-group chunk bounds and
+its masking of rows outside a group."""
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mjax.kernels.grouped_matmul.schedule import group_bounds
+
+
+def swizzled(dtype):
+    """Every tile's minor dimension is a multiple of 64 elements: 128-byte rows, the widest swizzle."""
+    swizzle = plgpu.find_swizzle(64 * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def store_rows(acc, o_smem, out_gmem, row0, first, count, col0, bm: int, bn: int):
+    """Issues the stores of rows [first, first + count) of the block at row0 (count <= bm, a run-time value) from
+    acc through o_smem [bm, bn]; the caller waits for them."""
+    o_smem[...] = acc.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    offset = first
+    size = 1 << (bm.bit_length() - 1)
+    while size:  # count = the sum of its set bits: one static-shape TMA copy per bit, in order
+        @pl.when(count & size != 0)
+        def _(size=size, offset=offset):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)],
+                                    out_gmem.at[pl.ds(row0 + offset, size), pl.ds(col0, bn)])
+
+        offset = offset + (count & size)
+        size //= 2
+
+
+def wgrad_bounds(group_sizes, rows: int, bk: int):
+    """int32 [4, G]: per group its first row, its end, the first row of its first aligned bk-row chunk, and its
+    number of chunks (0 for an empty group)."""
+    starts, ends = group_bounds(group_sizes, rows)
+    chunks = jnp.where(ends > starts, (ends + bk - 1) // bk - starts // bk, 0)
+    return jnp.stack([starts, ends, starts // bk * bk, chunks])
+
+
+def keep_rows(ref, keep):
+    """Zeroes the rows of the shared-memory tile `ref` where keep(row ids) is False (a select: NaN * 0 is NaN)."""
+    rows_ids = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+    ref[...] = jnp.where(keep(rows_ids), ref[...], jnp.zeros(ref.shape, ref.dtype))
+    plgpu.commit_smem()
