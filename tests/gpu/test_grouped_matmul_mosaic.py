@@ -27,11 +27,11 @@ TILINGS = {
     "small": Tiling(KernelTile(64, 64, 64, 4, 3, 1), KernelTile(128, 64, 64, 4, 2, 2),
                     KernelTile(64, 128, 64, 4, 4, 1)),
     "small specialized": Tiling(KernelTile(64, 64, 64, 8, 3, 1), KernelTile(128, 64, 64, 8, 2, 2),
-                                KernelTile(64, 128, 64, 8, 4, 1)),
+                                KernelTile(64, 128, 64, 4, 4, 1)),
     # warp-specialised (8 warps); rings deeper than the 4 (forward) and 2 (dgrad) depth steps; dgrad's 256 columns
     # in a whole and a partial 192-column tile
     "specialized": Tiling(KernelTile(128, 128, 64, 8, 6, 4), KernelTile(128, 192, 64, 8, 4, 1),
-                          KernelTile(64, 128, 64, 8, 4, 1)),
+                          KernelTile(64, 128, 64, 4, 4, 1)),
 }
 
 
