@@ -22,12 +22,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mjax.kernels.grouped_matmul import mosaic_specialized
-from mjax.kernels.grouped_matmul.mosaic_parts import keep_rows, store_rows, swizzled, wgrad_bounds
+from mjax.kernels.grouped_matmul.mosaic_parts import mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import SHARED_MEMORY_BYTES, KernelTile, Tiling
 
@@ -135,23 +134,10 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
             g = loop_info.index[0]
             i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
             start, end, block_start, n_chunks = (bounds_gmem[r, g] for r in range(4))
-            head = lax.rem(start, bk)  # rows of the first chunk before the group
-            tail = lax.rem(end, bk)  # rows of the last chunk in the group (0: all of them)
 
             def acc_scope(acc_ref):
                 def step(c, x_smem, dy_smem):
-                    c = c[0]
-
-                    @pl.when((c == 0) & (head != 0))
-                    def _():
-                        keep_rows(x_smem, lambda r: r >= head)
-                        keep_rows(dy_smem, lambda r: r >= head)
-
-                    @pl.when((c == n_chunks - 1) & (tail != 0))
-                    def _():
-                        keep_rows(x_smem, lambda r: r < tail)
-                        keep_rows(dy_smem, lambda r: r < tail)
-
+                    mask_group_edges(c[0], n_chunks, start, end, bk, x_smem, dy_smem)
                     plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn] -> [bm, bn]
 
                 @pl.when(n_chunks > 0)

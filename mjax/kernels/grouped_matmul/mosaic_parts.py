@@ -46,3 +46,20 @@ def keep_rows(ref, keep):
     rows_ids = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
     ref[...] = jnp.where(keep(rows_ids), ref[...], jnp.zeros(ref.shape, ref.dtype))
     plgpu.commit_smem()
+
+
+def mask_group_edges(c, n_chunks, start, end, bk: int, x_smem, dy_smem):
+    """Zeroes, in wgrad's chunk c of a group [start, end), the rows before the group (first chunk) and after it
+    (last chunk), in both operand tiles."""
+    head = lax.rem(start, bk)  # rows of the first chunk before the group
+    tail = lax.rem(end, bk)  # rows of the last chunk in the group (0: all of them)
+
+    @pl.when((c == 0) & (head != 0))
+    def _():
+        keep_rows(x_smem, lambda r: r >= head)
+        keep_rows(dy_smem, lambda r: r >= head)
+
+    @pl.when((c == n_chunks - 1) & (tail != 0))
+    def _():
+        keep_rows(x_smem, lambda r: r < tail)
+        keep_rows(dy_smem, lambda r: r < tail)
