@@ -60,7 +60,8 @@ from benchmarks.harness import time_fn  # noqa: E402
 SHAPES = "8x4096x768x2048,16x2048x768x2048,128x512x768x2048,8x4096x14336x4096"
 flags.DEFINE_string("shapes", SHAPES, "GROUPSxROWSxNxK, comma-separated.")
 flags.DEFINE_list("dists", ["balanced", "skewed", "empty"], "Row distributions over the groups: balanced, skewed, "
-                  "empty, padded (balanced over 7/8 of the rows, the rest padding).")
+                  "empty, dirichlet (proportions ~ Dirichlet(0.3)), padded (balanced over 7/8 of the rows, the rest "
+                  "padding).")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
 flags.DEFINE_bool("main", True, "Time pallas, ragged_dot and the dense GEMM, forward and forward + backward.")
 flags.DEFINE_bool("mosaic", True, "Include the Mosaic GPU kernels in the main table and --check (on a GPU).")

@@ -26,9 +26,12 @@ def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
     if dist == "empty":  # the first, every fourth and the last group empty
         full = (np.arange(groups) % 4 != 0) & (np.arange(groups) != groups - 1)
         return spread(total, full if full.any() else np.arange(groups) == 0).astype(np.int32)
+    if dist == "dirichlet":  # a learned router's uneven load: proportions ~ Dirichlet(0.3), fixed seed
+        rng = np.random.default_rng(0)
+        return rng.multinomial(total, rng.dirichlet(np.full(groups, 0.3))).astype(np.int32)
     if dist == "padded":
         return spread(total - total // 8, np.ones(groups, bool)).astype(np.int32)
-    raise ValueError(f"--dists: unknown distribution {dist!r} (balanced, skewed, empty, padded)")
+    raise ValueError(f"--dists: unknown distribution {dist!r} (balanced, skewed, empty, dirichlet, padded)")
 
 
 def operands(groups, rows, n, k, dtype, seed=0):

@@ -1,7 +1,9 @@
 """On a Hopper GPU: the Mosaic GPU grouped matmul (mjax/kernels/grouped_matmul/mosaic.py) equals per-group float32
 products of the same bf16 values, forward and both gradients, on ragged groups: empty groups (first, inner, last),
 groups starting inside a row block and inside a wgrad chunk, a row count that is no multiple of the tile, padding
-rows holding NaN (their outputs and gradients must come out zero), and all rows in one group.
+rows holding NaN (their outputs and gradients must come out zero), and all rows in one group; and a learned
+router's uneven load (Dirichlet(0.3) proportions over 64 groups) on one and on three programs, so that each program
+walks many tiles of a few depth steps (the warp-specialised wgrad chains them all through one ring).
 
     JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests/gpu/test_grouped_matmul_mosaic.py -q
 """
@@ -11,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mjax.kernels.grouped_matmul import KernelTile, Tiling, grouped_matmul
+from mjax.kernels.grouped_matmul import KernelTile, Tiling, grouped_matmul, mosaic
+from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +30,11 @@ TILINGS = {
     "small": Tiling(KernelTile(64, 64, 64, 4, 3, 1), KernelTile(128, 64, 64, 4, 2, 2),
                     KernelTile(64, 128, 64, 4, 4, 1)),
     "small specialized": Tiling(KernelTile(64, 64, 64, 8, 3, 1), KernelTile(128, 64, 64, 8, 2, 2),
-                                KernelTile(64, 128, 64, 4, 4, 1)),
+                                KernelTile(64, 128, 64, 8, 4, 1)),
     # warp-specialised (8 warps); rings deeper than the 4 (forward) and 2 (dgrad) depth steps; dgrad's 256 columns
     # in a whole and a partial 192-column tile
     "specialized": Tiling(KernelTile(128, 128, 64, 8, 6, 4), KernelTile(128, 192, 64, 8, 4, 1),
-                          KernelTile(64, 128, 64, 4, 4, 1)),
+                          KernelTile(128, 128, 64, 8, 6, 4)),
 }
 
 
@@ -47,9 +50,12 @@ def _per_group(x, w, dy, sizes):
     return y, dx, dw
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu" or
-                    float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0,
-                    reason="the Mosaic GPU kernels need a Hopper GPU")
+needs_hopper = pytest.mark.skipif(jax.default_backend() != "gpu" or
+                                  float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0,
+                                  reason="the Mosaic GPU kernels need a Hopper GPU")
+
+
+@needs_hopper
 @pytest.mark.parametrize("tiling", TILINGS, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_mosaic_equals_per_group_products(case, tiling):
@@ -66,7 +72,31 @@ def test_mosaic_equals_per_group_products(case, tiling):
         return grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), impl="mosaic", tiling=TILINGS[tiling])
 
     y, vjp = jax.vjp(f, x, w)
-    dx, dw = vjp(dy)
+    _assert_per_group(sizes, x, w, dy, y, *vjp(dy))
+
+
+@needs_hopper
+@pytest.mark.parametrize("num_sms", [1, 3])
+@pytest.mark.parametrize("warps", [4, 8])
+def test_uneven_groups_on_few_programs(warps, num_sms):
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(3900, rng.dirichlet(np.full(64, 0.3)))  # many empty and one-chunk groups
+    assert (sizes == 0).any() and ((sizes > 0) & (sizes < 64)).any() and sizes.max() > 6 * 64
+    m, k, n = 4000, 256, 128
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16).at[3900:].set(jnp.nan)
+    w = (jax.random.normal(keys[1], (64, k, n)) * k**-0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16).at[3900:].set(jnp.nan)
+    tiles = default_mosaic_tiling(k, n, num_warps=warps)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y = mosaic.forward(x, w, gs, tile=tiles.forward, num_sms=num_sms)
+    dx = mosaic.dgrad(dy, w, gs, tile=tiles.dgrad, num_sms=num_sms)
+    dw = mosaic.wgrad(x, dy, gs, tile=tiles.wgrad, num_sms=num_sms)
+    _assert_per_group(sizes, x, w, dy, y, dx, dw)
+
+
+def _assert_per_group(sizes, x, w, dy, y, dx, dw):
+    total = sum(sizes)
     want = _per_group(x[:total], w, dy[:total], sizes)
     for name, got, ref in zip(("y", "dx", "dw"), (y, dx, dw), want):
         got = np.asarray(got, np.float64)

@@ -1,8 +1,9 @@
 """The warp-specialised Mosaic GPU grouped matmul kernels (tiles with num_warps=8): a memory warpgroup issues the
 TMA loads and a compute warpgroup issues the wgmmas, so the loads of a program's next output tile start while the
 compute warpgroup is still storing the last one (the single-warpgroup kernels of mosaic.py refill their pipeline
-after every tile), and the tile's TMA stores run on under the next tile's products. The work lists, operand
-masking and row-slice stores are those of mosaic.py.
+after every tile), and the tile's TMA stores run on under the next tile's products. The default tiles of the
+Mosaic GPU kernels (tiling.default_mosaic_tiling). The work lists, operand masking and row-slice stores are those
+of mosaic.py.
 """
 
 import functools
@@ -18,6 +19,7 @@ from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import KernelTile
 
 MEMORY_REGISTERS = 40  # the memory warpgroup only computes addresses; the compute one takes the rest
+COMPUTE_REGISTERS = 256  # what emit_pipeline_warp_specialized gives one compute warpgroup (setmaxnreg: at most 256)
 
 
 def _pipeline(body, context, specs, grid, stages, **chaining):
@@ -123,53 +125,99 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
 
 
 def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
-    """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group."""
+    """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group.
+
+    A tile's trip count (its group's chunks) is known only at run time, which `emit_pipeline_warp_specialized`
+    cannot chain, so the ring is driven here: both warpgroups walk the program's tiles in the same order and count
+    the chunks of all of them as one sequence of steps; step s uses stage s % num_stages. The memory warpgroup
+    loads step s once the compute warpgroup has released step s - num_stages (never waiting at a tile's end); the
+    compute warpgroup releases a step once the wgmma after it is issued and the one reading it is done, and a tile's
+    last step after its final wgmma_wait."""
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
-    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    bm, bn, bk, stages = tile.block_m, tile.block_n, tile.block_k, tile.num_stages
     bounds = wgrad_bounds(group_sizes, rows, bk)  # [4, G]
     n_k_blocks, n_n_blocks = k // bm, n // bn
     tf = swizzled(x.dtype)
 
-    def specs(i, j):
-        return [plgpu.BlockSpec((bk, bm), lambda c: (c, i), transforms=tf, delay_release=1),
-                plgpu.BlockSpec((bk, bn), lambda c: (c, j), transforms=tf, delay_release=1)]
-
     def body(bounds_gmem, x_gmem, dy_gmem, dw_gmem, o_smem):
-        # A static grid of num_stages steps allocates what the run-time trip counts use (a static grid shorter
-        # than num_stages would shrink the ring).
-        allocations = _pipeline(None, None, specs(0, 0), (tile.num_stages,), tile.num_stages).get_allocations(
-            x_gmem, dy_gmem)
-
-        @functools.partial(pl.run_scoped, allocs=allocations, collective_axes="wg")
-        def _(allocs):
-            @plgpu.nd_loop((groups, n_k_blocks * n_n_blocks), collective_axes="sm")
-            def _(loop_info: plgpu.NDLoopInfo):
+        def each_tile(per_tile):
+            """per_tile(g, i, j, bounds of g, first step) for this program's tiles, in the same order on both
+            warpgroups."""
+            @plgpu.nd_loop((groups, n_k_blocks * n_n_blocks), collective_axes="sm", init_carry=jnp.int32(0))
+            def _(loop_info: plgpu.NDLoopInfo, carry):
                 g = loop_info.index[0]
                 i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
-                start, end, block_start, n_chunks = (bounds_gmem[r, g] for r in range(4))
+                group = tuple(bounds_gmem[r, g] for r in range(4))  # start, end, block_start, n_chunks
+                per_tile(g, i, j, group, carry)  # carry: the first step of this tile
+                return carry + group[3]
 
-                def mma(c, x_smem, dy_smem, acc_ref):
-                    mask_group_edges(c[0], n_chunks, start, end, bk, x_smem, dy_smem)
-                    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn] -> [bm, bn]
-                    plgpu.wgmma_wait(1)
-                    return acc_ref
+        @functools.partial(pl.run_scoped, x_ring=plgpu.SMEM((stages, bk, bm), x.dtype, transforms=tf),
+                           dy_ring=plgpu.SMEM((stages, bk, bn), dy.dtype, transforms=tf),
+                           produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                           consumed=plgpu.Barrier(num_arrivals=1, num_barriers=stages), collective_axes="wg")
+        def _(x_ring, dy_ring, produced, consumed):
+            @pl.when(lax.axis_index("wg") == 1)
+            def _():
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-                def context(run):
+                def load(g, i, j, group, first_step):
+                    _, _, block_start, n_chunks = group
+
+                    @pl.loop(0, n_chunks)
+                    def _(c):
+                        step = first_step + c
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        chunk = pl.ds(pl.multiple_of(block_start + c * bk, bk), bk)  # past M: TMA reads zeros
+                        plgpu.copy_gmem_to_smem(x_gmem.at[chunk, pl.ds(i * bm, bm)], x_ring.at[slot],
+                                                produced.at[slot])
+                        plgpu.copy_gmem_to_smem(dy_gmem.at[chunk, pl.ds(j * bn, bn)], dy_ring.at[slot],
+                                                produced.at[slot])
+
+                each_tile(load)
+
+            @pl.when(lax.axis_index("wg") == 0)
+            def _():
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+                def compute(g, i, j, group, first_step):
+                    start, end, _, n_chunks = group
+
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn)))
                     def _(acc_ref):
-                        run(acc_ref)  # no chunks (an empty group): the zero accumulator
-                        acc = acc_ref[...]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        @pl.loop(0, n_chunks)
+                        def _(c):
+                            step = first_step + c
+                            slot = lax.rem(step, stages)
+                            plgpu.barrier_wait(produced.at[slot])
+                            x_smem, dy_smem = x_ring.at[slot], dy_ring.at[slot]
+                            mask_group_edges(c, n_chunks, start, end, bk, x_smem, dy_smem)
+                            plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn]
+                            plgpu.wgmma_wait(1)  # the previous step's wgmma is done with its stage
+
+                            @pl.when(c > 0)
+                            def _():
+                                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+                        plgpu.wgmma_wait(0)
+
+                        @pl.when(n_chunks > 0)
+                        def _():
+                            plgpu.barrier_arrive(consumed.at[lax.rem(first_step + n_chunks - 1, stages)])
+
+                        acc = acc_ref[...]  # no chunks (an empty group): the zero accumulator
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
                         o_smem[...] = acc.astype(o_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem, dw_gmem.at[g, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
 
-                group_rows = pl.ds(pl.multiple_of(block_start, bk), rows)  # may run past M: never read there
-                _pipeline(mma, context, specs(i, j), (n_chunks,), tile.num_stages)(
-                    x_gmem.at[group_rows, :], dy_gmem.at[group_rows, :], allocations=allocs)
-
-            plgpu.wait_smem_to_gmem(0)
+                each_tile(compute)
+                plgpu.wait_smem_to_gmem(0)
 
     kernel = _kernel(body, jax.ShapeDtypeStruct((groups, k, n), x.dtype),
                      [plgpu.SMEM((bm, bn), x.dtype, transforms=tf)], num_sms)

@@ -168,24 +168,30 @@ def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
     return None
 
 
-def default_mosaic_tiling(k: int, n: int) -> Tiling | None:
-    """Tiles of the Mosaic GPU kernels (mosaic.py), None unless K and N are multiples of 64: 128-row tiles, 64 deep,
-    4 stages, as wide as one warpgroup's accumulator allows (192 columns). Forward and dgrad may end in a partial
-    column tile: their width maximises the columns used times the tile's operand reuse bn / (bm + bn); wgrad takes
-    the widest that divides. On an H200 128 x 192 beat 128 x 128 by 14% in the forward (docs/moe.md). The
-    warp-specialised tiles (num_warps=8) are not the default yet (docs/moe.md says why)."""
+def default_mosaic_tiling(k: int, n: int, num_warps: int = 8) -> Tiling | None:
+    """Tiles of the Mosaic GPU kernels (mosaic.py), None unless K and N are multiples of 64: 128-row tiles, 64 deep.
+    Forward and dgrad may end in a partial column tile: their width (at most 192 columns, what one warpgroup's
+    accumulator holds) maximises the columns used times the tile's operand reuse bn / (bm + bn); wgrad takes a width
+    that divides N. num_warps 8 (the default): the warp-specialised kernels, as many stages (at most 6) as fit
+    beside the output tile in shared memory, wgrad 128 columns wide first (6 stages); 4: one warpgroup, 4 stages,
+    wgrad as wide as divides. H200 measurements behind both: docs/moe.md."""
     if k % 64 or n % 64:
         return None
 
-    def tile(rows: int, cols: int, partial: bool) -> KernelTile:
+    def tile(rows: int, cols: int, partial: bool, widths) -> KernelTile:
         bm = 128 if rows % 128 == 0 else 64
         if partial:
-            bn = max((192, 128, 64), key=lambda b: cols / (-(-cols // b) * b) * b / (bm + b))
+            bn = max(widths, key=lambda b: cols / (-(-cols // b) * b) * b / (bm + b))
         else:
-            bn = next(b for b in (192, 128, 64) if cols % b == 0)
-        return KernelTile(bm, bn, 64, num_warps=4, num_stages=4, group_m=4)
+            bn = next(b for b in widths if cols % b == 0)
+        stages = 4
+        if num_warps == 8:  # the output tile's shared memory sits beside the load ring
+            stages = min(6, (SHARED_MEMORY_BYTES - 2 * bm * bn) // (2 * 64 * (bm + bn)))
+        return KernelTile(bm, bn, 64, num_warps=num_warps, num_stages=stages, group_m=4)
 
-    return Tiling(forward=tile(128, n, True), dgrad=tile(128, k, True), wgrad=tile(k, n, False))
+    wgrad_widths = (128, 192, 64) if num_warps == 8 else (192, 128, 64)
+    return Tiling(forward=tile(128, n, True, (192, 128, 64)), dgrad=tile(128, k, True, (192, 128, 64)),
+                  wgrad=tile(k, n, False, wgrad_widths))
 
 
 BLOCKWISE_DEPTH = 128  # --fp8_recipe=blockwise: one 1x128 / 128x128 block scale per depth step
