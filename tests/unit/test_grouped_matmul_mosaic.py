@@ -49,6 +49,8 @@ def test_default_tiles_and_tile_problems():
     assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 2, 4), 2048, 768)
     assert mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 4), 2048, 768) is None  # warp-specialised
     assert "shared memory" in mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 5), 2048, 768)
+    for warps in (4, 8):
+        assert "num_stages >= 2" in mosaic_tile_problem("wgrad", KernelTile(128, 128, 64, warps, 1), 2048, 768)
     assert mosaic_tile_problem("dgrad", KernelTile(128, 192, 64, 4, 4), 2048, 768) is None  # a partial last tile
     assert "multiple of block_n" in mosaic_tile_problem("wgrad", KernelTile(128, 192, 64, 4, 4), 2048, 640)
     assert "multiple of block_k" in mosaic_tile_problem("dgrad", KernelTile(128, 128, 128, 4, 4), 2048, 704)

@@ -51,6 +51,8 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
     if tile.block_m * tile.block_n > MAX_TILE_ELEMENTS:
         return (f"the Mosaic GPU {kernel} tile {tile} holds {tile.block_m * tile.block_n} accumulator elements in one "
                 f"warpgroup's registers (at most {MAX_TILE_ELEMENTS})")
+    if tile.num_stages < 2:  # a stage is released one step after its wgmma: one stage would wait on itself
+        return f"the Mosaic GPU {kernel} tile {tile} needs num_stages >= 2"
     if tile.num_warps not in (4, SPECIALIZED_WARPS):
         return (f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup) or "
                 f"{SPECIALIZED_WARPS} (warp-specialised)")

@@ -1,9 +1,8 @@
 """The warp-specialised Mosaic GPU grouped matmul kernels (tiles with num_warps=8): a memory warpgroup issues the
 TMA loads and a compute warpgroup issues the wgmmas, so the loads of a program's next output tile start while the
 compute warpgroup is still storing the last one (the single-warpgroup kernels of mosaic.py refill their pipeline
-after every tile), and the tile's TMA stores run on under the next tile's products. The default tiles of the
-Mosaic GPU kernels (tiling.default_mosaic_tiling). The work lists, operand masking and row-slice stores are those
-of mosaic.py.
+after every tile), and the tile's TMA stores run on under the next tile's products. tiling.default_mosaic_tiling
+gives these tiles by default. The work lists, operand masking and row-slice stores are those of mosaic.py.
 """
 
 import functools

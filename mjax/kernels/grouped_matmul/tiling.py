@@ -184,10 +184,12 @@ def default_mosaic_tiling(k: int, n: int, num_warps: int = 8) -> Tiling | None:
             bn = max(widths, key=lambda b: cols / (-(-cols // b) * b) * b / (bm + b))
         else:
             bn = next(b for b in widths if cols % b == 0)
-        stages = 4
-        if num_warps == 8:  # the output tile's shared memory sits beside the load ring
-            stages = min(6, (SHARED_MEMORY_BYTES - 2 * bm * bn) // (2 * 64 * (bm + bn)))
-        return KernelTile(bm, bn, 64, num_warps=num_warps, num_stages=stages, group_m=4)
+        if num_warps == 4:
+            return KernelTile(bm, bn, 64, num_warps=4, num_stages=4, group_m=4)
+        # The output tile's shared memory (16-bit) sits beside the load ring.
+        fits = [s for s in range(2, 7) if KernelTile(bm, bn, 64, 8, s).shared_bytes(2) + 2 * bm * bn
+                <= SHARED_MEMORY_BYTES]
+        return KernelTile(bm, bn, 64, num_warps=8, num_stages=fits[-1], group_m=4)
 
     wgrad_widths = (128, 192, 64) if num_warps == 8 else (192, 128, 64)
     return Tiling(forward=tile(128, n, True, (192, 128, 64)), dgrad=tile(128, k, True, (192, 128, 64)),
