@@ -23,6 +23,7 @@ import numpy as np
 from mjax.kernels import cross_entropy
 from mjax.model import router
 from mjax.parallel.context_parallel import load_balance_order
+from mjax.sharding import constrain
 
 
 def ahead_index(seq_length: int, cp: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,6 +56,23 @@ def depth_inputs(batch: dict, depth: int, cp: int, use_segments: bool) -> dict:
     return {name: jnp.stack(parts) for name, parts in out.items()}
 
 
+AHEAD = "mtp_ahead"  # the batch key of depth_inputs made before a pipeline's stages
+
+
+def with_ahead(batch: dict, depth: int, cp: int, use_segments: bool) -> dict:
+    """Batch arrays [M, B, T] plus each micro-batch's depth_inputs under AHEAD ([M, D, B, T] arrays), made under
+    GSPMD: inside a pipeline stage's shard_map, gathering along a sequence axis split over cp aborts XLA's SPMD
+    partitioner (the check on partition groups in spmd_partitioner_util.cc, jax 0.12), so the stages read these."""
+    ahead = depth_inputs(batch, depth, cp, use_segments)  # [D, M, B, T]
+    # [M, D, B, T], sharded as the batch arrays are (a gather's output sharding is its own)
+    return {**batch, AHEAD: jax.tree.map(lambda a: constrain(jnp.moveaxis(a, 0, 1), (None, None, "batch", None)),
+                                         ahead)}
+
+
+def _ahead(micro: dict, depth: int, cp: int, use_segments: bool) -> dict:
+    return micro[AHEAD] if AHEAD in micro else depth_inputs(micro, depth, cp, use_segments)
+
+
 def denominators(batch: dict, depth: int, cp: int, use_segments: bool):
     """The step's unmasked positions of each depth [D] (at least 1), over every micro-batch of `batch`."""
     mask = depth_inputs(batch, depth, cp, use_segments)["loss_mask"]  # [D, M, B, T]
@@ -64,7 +82,7 @@ def denominators(batch: dict, depth: int, cp: int, use_segments: bool):
 def embeddings(module, micro: dict, cfg, use_segments: bool):
     """The embeddings [D, B, T, D] of the tokens each depth reads in one micro-batch (a lookup of the shared table:
     the pipeline runs it outside its stages, mjax/parallel/pipeline_stage.py)."""
-    ahead = depth_inputs(micro, cfg.model.mtp_depth, cfg.parallel.cp, use_segments)
+    ahead = _ahead(micro, cfg.model.mtp_depth, cfg.parallel.cp, use_segments)
     return module.mtp_embeddings(ahead["inputs"], ahead["positions"])
 
 
@@ -74,7 +92,7 @@ def loss_sums(module, h, micro: dict, cfg, use_segments: bool, embedded=None, mo
     micro-batch, from the model's final-norm output h [B, T, D]. embedded: `embeddings` of the micro-batch, when
     looked up elsewhere (None: here)."""
     depth, e = cfg.model.mtp_depth, cfg.execution
-    ahead = depth_inputs(micro, depth, cfg.parallel.cp, use_segments)
+    ahead = _ahead(micro, depth, cfg.parallel.cp, use_segments)
     positions = micro.get("positions")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(h.shape[1], dtype=jnp.int32), h.shape[:2])

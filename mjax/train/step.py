@@ -132,9 +132,10 @@ def make_train_step(model, cfg, tx, schedule):
                 weights["mtp"] = scale * mtp.depth_weights(mtp_denoms, cfg.model)
                 if cfg.model.mtp_is_moe():
                     weights["mtp_moe"] = scale / num_micro
+            stage_batch = mtp.with_ahead(batch, depth, cfg.parallel.cp, use_segments) if depth else batch
             grads, amaxes, (terms, sums), pipeline_metrics["pipeline_bubble"], moe_sums = pipeline.loss_and_grads(
-                model, cfg.parallel, state.params, batch, pipeline_head, weights, use_segments, scale / num_micro,
-                fp8_scales)
+                model, cfg.parallel, state.params, stage_batch, pipeline_head, weights, use_segments,
+                scale / num_micro, fp8_scales)
             loss_sum, z_sum = terms["loss"], sums.pop("z")
             moe_sums = moe_terms.concat_sums(moe_sums, sums)  # the MTP blocks' after the model's MoE layers
             if depth:

@@ -1,8 +1,8 @@
 """Multi-token prediction under pipeline parallelism (8 CPU devices): the MTP depths run where the head runs (after a
 GPipe-order pipeline, or on the last stage inside the 1F1B and zero-bubble ticks), and every schedule gives the
-single-device losses, MTP losses and parameters; a V3-shaped model (a dense first layer, MoE layers) with an MoE MTP
-block adds the same router metrics and moves its expert bias as on one device, with expert and tensor parallelism
-beside the pipeline."""
+single-device losses, MTP losses and parameters, with context parallelism beside the pipeline too; a V3-shaped
+model (a dense first layer, MoE layers) with an MoE MTP block adds the same router metrics and moves its expert bias
+as on one device, with expert and tensor parallelism beside the pipeline."""
 
 import jax
 import numpy as np
@@ -28,12 +28,15 @@ DENSE_LAYOUTS = {
     "interleaved_pp2_vpp2_dp4": (dict(pp=2, vpp=2, pipeline_schedule="interleaved"), 2),
     "interleaved_1f1b_pp2_vpp2_dp2_tp2": (dict(pp=2, vpp=2, tp=2), 4),
     "zero_bubble_pp2_dp4": (dict(pp=2, pipeline_schedule="zero_bubble"), 2),
+    "1f1b_pp2_cp2_dp2": (dict(pp=2, cp=2), 4),  # the depths' tokens ahead under the sequence split
+    "gpipe_pp2_cp2_dp2": (dict(pp=2, cp=2, pipeline_schedule="gpipe"), 4),
 }
 # V3: 12 sequences, 3 micro-batches of 4 over the data x expert shards; gpipe's second head group has a padding slot,
-# which must route no tokens. (The MoE schedules: gpipe, 1f1b, interleaved_1f1b; the latter is 1f1b's head.)
+# which must route no tokens. (The MoE schedules: gpipe, 1f1b, interleaved_1f1b.)
 V3_LAYOUTS = {
     "gpipe_pp2_ep2_tp2": (dict(pp=2, ep=2, tp=2, pipeline_schedule="gpipe"), 2),
     "1f1b_pp2_dp2_ep2": (dict(pp=2, ep=2), 1),
+    "interleaved_1f1b_pp2_vpp2_ep2_tp2": (dict(pp=2, vpp=2, ep=2, tp=2), 3),  # a layer a virtual stage, dense first
 }
 _REFERENCES = {}
 
