@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers.train_utils import document_batches, run_steps, tiny_config
+from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
+from tests.helpers.train_utils import FAST_COMPILE, document_batches, run_steps, tiny_config
 
 pytestmark = pytest.mark.slow  # compiles a training step per layout
 
@@ -77,3 +78,17 @@ def test_moe_mtp_block_on_the_last_stage_matches_single_device(layout):
                                                  "moe_load_min"))
     # the MTP block's expert bias moved, by its own router counts (compared above with the single device's)
     assert np.abs(params["mtp"]["layers"]["block"]["mlp"]["router"]["expert_bias"]).max() > 0
+
+
+def test_fp8_mtp_depth_on_the_last_stage_steps_like_one_device():
+    """Delayed FP8 with an MTP depth over pp2 x tp2 (1f1b): the depth's linear layers, held by every pipeline device,
+    get their scales in the last stage's head and their amaxes back from it alone. Two steps in lockstep from the
+    single-device state, within test_pipeline.py's FP8 noise floor; the weights' amaxes exactly."""
+    def cfg(p):
+        return tiny_config(model=dict(num_layers=4, mtp_num_layers=1), parallel=p,
+                           train=dict(train_iters=2, micro_batch_size=2, seq_length=32),
+                           precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
+
+    steps = lockstep(cfg({}), cfg(dict(pp=2, tp=2)), jax.devices()[:1], jax.devices(), compiler_options=FAST_COMPILE)
+    assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
+    assert_amaxes_match(steps)
