@@ -87,7 +87,7 @@ class Router(nnx.Module):
         self.expert_bias = (param(jnp.zeros((cfg.num_experts,), jnp.float32), (None,))
                             if cfg.moe_router_enable_expert_bias else None)
 
-    def logits(self, x, dtype):  # [N, D] -> [N, E] in the router dtype, at full precision (no TF32)
+    def logits(self, x, dtype):  # [..., D] -> [..., E] in the router dtype, at full precision (no TF32)
         return jnp.dot(x.astype(dtype), self.kernel[...].astype(dtype), precision=lax.Precision.HIGHEST)
 
     def bias(self):  # [E] or None; the bias is moved by the train step's rule, never by gradients
@@ -215,7 +215,8 @@ class MoE(nnx.Module):
         --moe_router_force_load_balancing (required with it, unused without)."""
         cfg = self.cfg
         b, t, d = x.shape
-        logits = self.router.logits(x.reshape(b * t, d), moe_router.router_dtype(cfg.moe_router_dtype))  # [N, E]
+        # On x [B, T, D] itself: flattening it first would gather a sequence split over context.
+        logits = self.router.logits(x, moe_router.router_dtype(cfg.moe_router_dtype)).reshape(b * t, -1)  # [N, E]
         if cfg.moe_router_force_load_balancing:
             if key is None:
                 raise ValueError("--moe_router_force_load_balancing draws random router logits: pass key= to MoE")

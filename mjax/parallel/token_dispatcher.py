@@ -18,6 +18,10 @@ allgather  gathers every rank's tokens and routing, computes its own experts' sh
            reduce-scatters the sums back (dropless only, as in Megatron). No sort across ranks; ep x the tokens'
            bytes move each way.
 
+With every expert local (ep 1) under context parallelism the same shard_map runs with no exchange, so a rank
+dispatches only its own T / cp tokens (GSPMD's dispatch groups, MoE.route_and_dispatch, split the batch only);
+FP8 experts keep those groups, as their per-tensor scales span all of them. Without cp: MoE.route_and_dispatch.
+
 Each exchange is a custom_vjp whose backward is the other direction's exchange, and every reordering is a gather
 whose backward is the inverse gather: no scatter-add, deterministic. The dispatch stats are summed over the
 manual axes. Under the pipeline's shard_map (--pp > 1) the region is nested and recomputed in the backward: JAX
@@ -55,8 +59,17 @@ class TokenDispatcher:
         ctx = current_logical_sharding()
         mesh, rules = ctx if ctx is not None else (None, {})
         ep_axes = tuple(rules.get("experts") or ())
-        if mesh is None or math.prod(mesh.shape[a] for a in ep_axes) == 1:
+        if mesh is None:
             return layer.route_and_dispatch(x, logits)
+        if math.prod(mesh.shape[a] for a in ep_axes) == 1:
+            # Every expert local. Under context parallelism each rank still dispatches its own tokens (GSPMD's
+            # dispatch groups split the batch only: each rank would compute its sequences' whole expert work);
+            # FP8 experts keep GSPMD's groups, their per-tensor scales spanning all of them.
+            split_seq = any(mesh.shape[a] > 1 for a in rules.get("seq") or ())
+            if not split_seq or layer.experts.quant is not None:
+                return layer.route_and_dispatch(x, logits)
+            return _expert_parallel(layer, x, logits, mesh=mesh, rules=rules, ep_axes=(), dispatcher_type="local",
+                                    impl=None)
         if layer.experts.quant is not None:
             raise ValueError("FP8 expert GEMMs with expert parallelism are not supported: their per-tensor scales "
                              "need the amax over every rank; use --ep=1 or drop --fp8_recipe")
@@ -87,9 +100,10 @@ def _expert_parallel(layer, x, logits, *, mesh, rules, ep_axes, dispatcher_type,
                          f"{groups} batch shards x {seq} of the mesh; use a batch (and --seq_length) that does")
     token_spec, per_seq = P(batch or None, seq or None, None), P(batch or None)
     kernels = layer.experts.kernels(layer.dtype)
-    kernel_specs = tuple(None if w is None else P(ep_axes) for w in kernels)
-    local = (functools.partial(_alltoall, layer, axes=ep_axes, impl=impl) if dispatcher_type == "alltoall"
-             else functools.partial(_allgather, layer, axes=ep_axes))
+    kernel_specs = tuple(None if w is None else P(ep_axes or None) for w in kernels)
+    local = {"alltoall": functools.partial(_alltoall, layer, axes=ep_axes, impl=impl),
+             "allgather": functools.partial(_allgather, layer, axes=ep_axes),
+             "local": functools.partial(_local, layer)}[dispatcher_type]
 
     # An input, not a closure: under the pipeline's shard_map a value closed over cannot enter the nested one.
     bias = layer.router.bias()  # [E] or None
@@ -141,6 +155,19 @@ def _alltoall(layer, x, weights, experts, kernels, *, axes, impl):
     back = _reorder(y, inverse, gather, valid_out, valid_in).reshape(ep, rows, d)
     y_rows = _combine((axes, impl, rows), back, route)  # [ep, R, D] -> [R, D]
     y = unpermute(y_rows, plan.dest, plan.keep, plan.row_token, plan.row_valid)  # [R, D] -> [n, D]
+    return y.reshape(b, t, d), plan.tokens_per_expert, plan.kept_tokens_per_expert
+
+
+def _local(layer, x, weights, experts, kernels):
+    """As _alltoall with every expert on this device: its tokens are one dispatch group, nothing is exchanged."""
+    b, t, d = x.shape
+    k = weights.shape[-1]
+    n = b * t
+    plan = layer.plan(weights.reshape(n, k), experts.reshape(n, k), b, t)
+    xs = checkpoint_name(permute(x.reshape(n, d), plan.row_token, plan.row_valid, plan.dest, plan.keep),
+                         "moe_dispatch")  # [n, D] -> [R, D]
+    rows = layer.expert_rows(xs, row_weights(weights.reshape(n, k), plan), plan.group_sizes, kernels, None)
+    y = unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid)  # [R, D] -> [n, D]
     return y.reshape(b, t, d), plan.tokens_per_expert, plan.kept_tokens_per_expert
 
 

@@ -31,12 +31,14 @@ class Residuals:
         return self.stream + self.other
 
 
-def routed_sequence_share(parallel) -> int:
-    """The sequence is split this many ways for MoE routing: cp when the experts are split over more than one
-    rank (ep, or ep x tp folded: token_dispatcher.py's shard_map, manual over the sequence's context axes too), else
-    1 (the dispatch groups split the batch only: a context-parallel rank routes whole sequences)."""
-    folded = parallel.expert_tensor_parallel_size not in (None, parallel.tp)
-    return parallel.cp if parallel.ep * (parallel.tp if folded else 1) > 1 else 1
+def routed_sequence_share(cfg) -> int:
+    """The sequence is split this many ways for MoE routing: cp, each context-parallel rank routing its own tokens
+    (token_dispatcher.py's shard_map, manual over the sequence's context axes), except for FP8 experts all local
+    (no ep): their dispatch groups split the batch only, so a context-parallel rank routes whole sequences."""
+    p = cfg.parallel
+    folded = p.expert_tensor_parallel_size not in (None, p.tp)
+    split = p.ep * (p.tp if folded else 1) > 1
+    return p.cp if split or cfg.precision.fp8_recipe is None else 1
 
 
 def local_model(cfg):
@@ -52,7 +54,7 @@ def local_model(cfg):
         # each device's experts compute on a receive buffer of ep blocks, each as large as one device's routed
         # rows (token_dispatcher.py: exact, never dropping): a local trace routing each token to top-k x ep of its
         # experts has as many rows; the trace holds seq / cp positions, a rank routes cp / share times as many.
-        rows = m.moe_router_topk * p.ep * p.cp // routed_sequence_share(p)
+        rows = m.moe_router_topk * p.ep * p.cp // routed_sequence_share(cfg)
         changes.update(num_experts=max(m.num_experts // p.ep, rows), moe_router_topk=rows,
                        moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_hidden_size) // etp)
         if m.moe_shared_expert_intermediate_size:

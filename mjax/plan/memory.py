@@ -108,7 +108,7 @@ def expert_expansion_bytes(cfg, batching, on_gpu: bool = False) -> int:
         return 0
     folded = p.expert_tensor_parallel_size not in (None, p.tp)  # experts over expert x tensor
     groups = m.num_experts // (p.ep * (p.tp if folded else 1))
-    tokens = batching.micro_batch_size * cfg.train.seq_length // routed_sequence_share(p)  # a device routes these
+    tokens = batching.micro_batch_size * cfg.train.seq_length // routed_sequence_share(cfg)  # a device routes these
     rows = p.ep * m.moe_router_topk * tokens  # the receive buffer
     d, f = m.hidden_size, (m.moe_ffn_hidden_size or m.ffn_hidden_size) // (1 if folded else p.tp)
     gated = m.activation == "swiglu"

@@ -67,11 +67,12 @@ def single_device_moe():
     return _run({}, jax.devices()[:1], MOE)
 
 
-@pytest.mark.parametrize("parallel", [dict(cp=2, ep=2), dict(cp=2), dict(pp=2, cp=2, ep=2)],
-                         ids=["cp2_ep2_dp2", "cp2_dp4", "pp2_cp2_ep2"])
+@pytest.mark.parametrize("parallel", [dict(cp=2, ep=2), dict(cp=2), dict(pp=2, cp=2, ep=2), dict(pp=2, cp=2)],
+                         ids=["cp2_ep2_dp2", "cp2_dp4", "pp2_cp2_ep2", "pp2_cp2_dp2"])
 def test_moe_matches_single_device(parallel, single_device_moe):
     """cp2 x ep2 x dp2: the token dispatcher's exchange over `expert` beside the ring over `context`, each rank
-    routing its own tokens; pp2 x cp2 x ep2: the same nested in the pipeline's shard_map; cp2 x dp4: without ep."""
+    routing its own tokens; pp2 x cp2 x ep2: the same nested in the pipeline's shard_map; cp2 x dp4 and pp2 x cp2:
+    without ep, each rank dispatching its own tokens to its local experts."""
     (ref_losses, ref_params), (losses, params) = single_device_moe, _run(parallel, jax.devices(), MOE)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
@@ -148,6 +149,14 @@ def test_moe_routes_only_each_ranks_own_tokens():
     hlo = _compiled(dict(cp=2, ep=2), jax.devices(), model=MOE).as_text()
     blocks = {s for d, s in _collectives(hlo, "all-to-all") if d == "f32" and s[-1] == 64}
     assert (1, 512, 64) in blocks and (1, 1024, 64) not in blocks, blocks
+
+
+def test_moe_without_ep_computes_only_each_ranks_own_tokens():
+    """cp2 x dp4, every expert local: a rank routes and computes the experts of its own T / cp tokens, so nothing
+    is gathered over the sequence (before, the dispatch groups split the batch only and each rank gathered its
+    sequences' residual stream, [2, 256, 64], and computed their whole expert work)."""
+    hlo = _compiled(dict(cp=2), jax.devices(), model=MOE).as_text()
+    assert not [s for d, s in _collectives(hlo, "all-gather") if d != "s32"], _collectives(hlo, "all-gather")
 
 
 def test_tp_sp_fsdp_never_gather_the_residual_stream_over_the_sequence():

@@ -141,13 +141,15 @@ def test_expert_expansion_matches_xla_cpu(groups, rows, d, f):
     np.testing.assert_allclose(4 * groups * rows * (5 * f + 4 * d), measured, rtol=0.12)
 
 
-def test_under_context_parallelism_a_rank_routes_its_own_tokens_with_ep_only():
+def test_under_context_parallelism_a_rank_routes_its_own_tokens():
     """The dispatcher's shard_map is manual over the batch and sequence axes: a rank holding T / cp positions
-    routes those (top-k x ep rows per traced token). Without ep the dispatch groups split the batch only, so a rank
-    routes all T positions: top-k x cp rows per traced token."""
+    routes those (top-k x ep rows per traced token), with or without ep. FP8 experts without ep keep the dispatch
+    groups that split the batch only, so a rank routes all T positions: top-k x cp rows per traced token."""
     assert local_model(_moe(ep=2, cp=2)).moe_router_topk == 2 * 2
     assert local_model(_moe(ep=2)).moe_router_topk == 2 * 2
-    assert local_model(_moe(cp=2)).moe_router_topk == 2 * 2
+    assert local_model(_moe(cp=2)).moe_router_topk == 2
+    fp8 = _moe(cp=2).replace(precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed"))
+    assert local_model(fp8).moe_router_topk == 2 * 2
     # folded experts over tensor (ep 1, tp 2) are split over two ranks: the dispatcher's shard_map again
     assert local_model(_moe(cp=2, tp=2, expert_tensor_parallel_size=1)).moe_router_topk == 2
     assert local_model(_moe()).moe_router_topk == 2
