@@ -48,13 +48,15 @@ import numpy as np  # noqa: E402
 
 from benchmarks import fp8_blockwise_grouped_cases as bw_cases  # noqa: E402
 from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
-from benchmarks.grouped_cases import fwd_and_bwd, group_sizes, operands, per_group_dot, tflops  # noqa: E402
+from benchmarks.grouped_cases import (check_against, fwd_and_bwd, group_sizes, operands,  # noqa: E402
+                                      per_group_dot, tflops)
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling, why_unsupported)
 from mjax.kernels.grouped_matmul import mosaic  # noqa: E402
 from mjax.kernels.grouped_matmul import pallas as kernels  # noqa: E402
-from mjax.kernels.grouped_matmul.tiling import default_blockwise_tiling, kernel_tile_problem  # noqa: E402
+from mjax.kernels.grouped_matmul.tiling import (default_blockwise_tiling, default_mosaic_tiling,  # noqa: E402
+                                                kernel_tile_problem)
 from benchmarks.harness import time_fn  # noqa: E402
 
 SHAPES = "8x4096x768x2048,16x2048x768x2048,128x512x768x2048,8x4096x14336x4096"
@@ -84,11 +86,6 @@ flags.DEFINE_bool("fp8_blockwise", False, "Add the blockwise FP8 grouped matmul 
 flags.DEFINE_enum("fp8_mma", "auto", ["auto", "f16"], "With --fp8, the kernels-alone rows and the sweep: auto "
                   "(FP8 tiles into the dot where the formats match) or f16 (tiles converted to float16 always).")
 FLAGS = flags.FLAGS
-
-# Max |pallas - reference| / max |reference| allowed by --check: both accumulate in f32 and round once to the
-# output dtype, so elements differ by about one ulp of that dtype (bf16: 2^-7 relative); twice that. float32: the
-# references may multiply in TF32 (XLA's default precision on the GPU; the kernels use full f32), ~2^-11 per term.
-CHECK_TOLERANCE = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 2.0**-9}
 
 
 def fp8_spec():
@@ -350,7 +347,6 @@ def check_rows(shape, dists):
     if blockwise:  # against the float32 dequantize + ragged_dot of the same block-quantized values
         _, blockwise_pallas = fwd_and_bwd(bw_cases.training_call(FLAGS.fp8_format))
         _, blockwise_ref = fwd_and_bwd(bw_cases.training_call(FLAGS.fp8_format, impl="xla"))
-    tol = CHECK_TOLERANCE[FLAGS.dtype]
     rows = []
     for dist in dict.fromkeys([*dists, "padded"]):
         sizes = group_sizes(dist, g, r)
@@ -370,25 +366,7 @@ def check_rows(shape, dists):
             checks.append(([np.asarray(a, np.float32) for a in blockwise_pallas(x, w, gs, dy)],
                            {"blockwise reference (xla)": blockwise_ref}))
         for got, refs in checks:
-            for ref_name, ref in refs.items():
-                row = {"shape": list(shape), "dist": dist, "reference": ref_name}
-                try:
-                    want = [np.asarray(a, np.float32) for a in ref(x, w, gs, dy)]
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} could not run: "
-                          f"{row['error']}", flush=True)
-                    rows.append(row)
-                    continue
-                for name, a, b in zip(("y", "dx", "dw"), got, want):
-                    row[name] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-                total = int(sizes.sum())
-                row["padding_zero"] = bool(np.all(got[0][total:] == 0) and np.all(got[1][total:] == 0))
-                row["ok"] = bool(all(row[name] <= tol for name in ("y", "dx", "dw")) and row["padding_zero"])
-                rows.append(row)
-                print(f"check {'x'.join(map(str, shape)):22} {dist:9} vs {ref_name:18} max err / max |ref|: y "
-                      f"{row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} (tolerance {tol:.1e}); padding rows zero: "
-                      f"{row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}", flush=True)
+            rows += check_against(shape, dist, sizes, got, refs, (x, w, gs, dy), FLAGS.dtype)
     return rows
 
 
@@ -425,7 +403,8 @@ def main():
                                                              for d in dict.fromkeys([*FLAGS.dists, "padded"])}
         blockwise_tiles = (f"; blockwise default {default_blockwise_tiling(k, n)}" if FLAGS.fp8_blockwise
                            else "")
-        print(f"\n{'x'.join(map(str, shape))}: default {tiling}{blockwise_tiles}\n{HEADER}", flush=True)
+        mosaic_tiles = f"; mosaic default {default_mosaic_tiling(k, n)}" if use_mosaic() else ""
+        print(f"\n{'x'.join(map(str, shape))}: default {tiling}{mosaic_tiles}{blockwise_tiles}\n{HEADER}", flush=True)
         dense = dense_row(shape)
         report["main"].append(dense)
         if FLAGS.fp8:

@@ -1,5 +1,6 @@
 """The grouped-matmul benchmark's cases: row distributions over the groups, random operands, the per-group
-reference for --check, jit'ed forward and forward + backward of a grouped matmul, and the TFLOP/s of a timing."""
+reference for --check and the comparison against it, jit'ed forward and forward + backward of a grouped matmul,
+and the TFLOP/s of a timing."""
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,37 @@ def per_group_dot(x, w, sizes):
              enumerate(zip(starts[:-1], starts[1:])) if e > s]
     parts.append(jnp.zeros((x.shape[0] - starts[-1], w.shape[2]), jnp.float32))
     return jnp.concatenate(parts).astype(x.dtype)
+
+
+# Max |kernel - reference| / max |reference| allowed by --check: both accumulate in f32 and round once to the
+# output dtype, so elements differ by about one ulp of that dtype (bf16: 2^-7 relative); twice that. float32: the
+# references may multiply in TF32 (XLA's default precision on the GPU; the kernels use full f32), ~2^-11 per term.
+CHECK_TOLERANCE = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 2.0**-9}
+
+
+def check_against(shape, dist, sizes, got, refs: dict, args, dtype: str) -> list[dict]:
+    """One --check row per reference: got (y, dx, dw as float32 arrays) against each ref(*args) of refs {name: fn},
+    max error / max |ref| within CHECK_TOLERANCE[dtype], and the padding rows of y and dx zero; printed too."""
+    tol, label, rows = CHECK_TOLERANCE[dtype], f"check {'x'.join(map(str, shape)):22} {dist:9}", []
+    for ref_name, ref in refs.items():
+        row = {"shape": list(shape), "dist": dist, "reference": ref_name}
+        try:
+            want = [np.asarray(a, np.float32) for a in ref(*args)]
+        except Exception as e:  # noqa: BLE001  (a reference that cannot run is reported, the others still are)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            print(f"{label} vs {ref_name:18} could not run: {row['error']}", flush=True)
+            rows.append(row)
+            continue
+        for name, a, b in zip(("y", "dx", "dw"), got, want):
+            row[name] = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+        total = int(sizes.sum())
+        row["padding_zero"] = bool(np.all(got[0][total:] == 0) and np.all(got[1][total:] == 0))
+        row["ok"] = bool(all(row[name] <= tol for name in ("y", "dx", "dw")) and row["padding_zero"])
+        rows.append(row)
+        print(f"{label} vs {ref_name:18} max err / max |ref|: y {row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} "
+              f"(tolerance {tol:.1e}); padding rows zero: {row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}",
+              flush=True)
+    return rows
 
 
 def tflops(flop, seconds):

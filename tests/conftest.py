@@ -3,15 +3,16 @@ import os
 # 8 fake CPU devices for every test process, set before JAX initialises its backend.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+# On CPU the tests' programs are tiny and run a few times each, so XLA's LLVM optimisation costs more than it saves
+# (make test: 7:36 -> about 4:30 on 2 cores). Not on a GPU, whose kernels the gpu tests time. A flag the caller sets
+# in XLA_FLAGS comes later and wins.
+fast_compile = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 # Collectives of 8 fake devices on 2 loaded cores can wait long for a starved device thread: XLA aborts the process
 # after 40 s in a rendezvous by default; wait ten minutes (a real deadlock still fails the test run).
-# On CPU the tests' programs are tiny and run a few times each, so XLA's LLVM optimisation costs more than it saves
-# (make test: 7:36 -> 3:52 on 2 cores). Not on a GPU, whose kernels the gpu tests time. A flag the caller sets in
-# XLA_FLAGS comes later and wins.
-fast_compile = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-os.environ["XLA_FLAGS"] = " ".join([
-    *(fast_compile if os.environ["JAX_PLATFORMS"] == "cpu" else []), os.environ.get("XLA_FLAGS", ""),
-    "--xla_cpu_collective_call_terminate_timeout_seconds=600", "--xla_cpu_collective_timeout_seconds=600"]).strip()
+collective_timeouts = ["--xla_cpu_collective_call_terminate_timeout_seconds=600",
+                       "--xla_cpu_collective_timeout_seconds=600"]
+os.environ["XLA_FLAGS"] = " ".join([*(fast_compile if os.environ["JAX_PLATFORMS"] == "cpu" else []),
+                                    os.environ.get("XLA_FLAGS", ""), *collective_timeouts]).strip()
 # No suite-wide persistent compilation cache: on XLA:CPU (jax 0.12) an executable of the fused cross-entropy step
 # reloaded from the cache aborts the process (compiled fresh it runs), so a shared cache makes runs flaky.
 

@@ -303,15 +303,20 @@ class MoE(nnx.Module):
         xg = constrain(x.astype(self.dtype).reshape(g, n, d), ("batch", None, "act_embed"))  # [B, T, D] -> [G, n, D]
 
         def group(x, weights, experts, kernels, metas):
-            plan = self.plan(weights, experts, b // g, t)
-            xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")
-            rows = self.expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, metas)  # [R, D]
-            return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # -> [n, D]
+            return self.dispatch_group(x, weights, experts, kernels, metas, b // g, t)
 
         y, plan = jax.vmap(group, in_axes=(0, 0, 0, None, None))(
             xg, weights.reshape(g, n, k), experts.reshape(g, n, k), self.experts.kernels(self.dtype),
             self.experts.metas())
         return y.reshape(b, t, d), dispatch_stats(plan.tokens_per_expert.sum(0), plan.kept_tokens_per_expert.sum(0))
+
+    def dispatch_group(self, x, weights, experts, kernels, metas, seqs: int, seq_len: int):
+        """One dispatch group of `seqs` sequences of `seq_len` tokens, every expert local: x [n, D], weights /
+        experts [n, k] -> (y [n, D] float32, its plan)."""
+        plan = self.plan(weights, experts, seqs, seq_len)
+        xs = checkpoint_name(permute(x, plan.row_token, plan.row_valid, plan.dest, plan.keep), "moe_dispatch")
+        rows = self.expert_rows(xs, row_weights(weights, plan), plan.group_sizes, kernels, metas)  # [R, D]
+        return unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid), plan  # -> [n, D]
 
 
 def dispatch_stats(tokens, kept):

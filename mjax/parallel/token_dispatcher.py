@@ -162,12 +162,8 @@ def _local(layer, x, weights, experts, kernels):
     """As _alltoall with every expert on this device: its tokens are one dispatch group, nothing is exchanged."""
     b, t, d = x.shape
     k = weights.shape[-1]
-    n = b * t
-    plan = layer.plan(weights.reshape(n, k), experts.reshape(n, k), b, t)
-    xs = checkpoint_name(permute(x.reshape(n, d), plan.row_token, plan.row_valid, plan.dest, plan.keep),
-                         "moe_dispatch")  # [n, D] -> [R, D]
-    rows = layer.expert_rows(xs, row_weights(weights.reshape(n, k), plan), plan.group_sizes, kernels, None)
-    y = unpermute(rows, plan.dest, plan.keep, plan.row_token, plan.row_valid)  # [R, D] -> [n, D]
+    y, plan = layer.dispatch_group(x.reshape(b * t, d), weights.reshape(b * t, k), experts.reshape(b * t, k), kernels,
+                                   None, b, t)  # [n, D]; FP8 experts never come here (no metas)
     return y.reshape(b, t, d), plan.tokens_per_expert, plan.kept_tokens_per_expert
 
 
