@@ -22,6 +22,7 @@ CASES = {  # group sizes; M rows in all (rows past the sum are padding)
     "ragged": ([0, 137, 0, 300, 63, 1, 0, 250], 1000),
     "one group": ([0, 0, 777, 0], 777),
     "balanced": ([256] * 4, 1024),
+    "few rows": ([3, 0, 20, 9], 40),  # fewer rows than one row window
 }
 TILINGS = {
     "default": None,

@@ -121,37 +121,50 @@ def test_default_tiling_matches_the_oracle():
     _check_against_oracle(_run("pallas", x, w, gs, dy, tiling=None), x, w, group_sizes, dy, jnp.float32)
 
 
-_row_tiles = jax.jit(row_tiles, static_argnums=(1, 2))
+_row_tiles = jax.jit(row_tiles, static_argnums=(1, 2, 3))
 
 
-def _used_visits(group_sizes, rows, block_m):
-    visits = np.asarray(_row_tiles(jnp.asarray(group_sizes, jnp.int32), rows, block_m))  # [4, T]
-    assert visits.shape == (4, max_row_tiles(rows, len(group_sizes), block_m))
+def _used_visits(group_sizes, rows, block_m, align=None):
+    visits = np.asarray(_row_tiles(jnp.asarray(group_sizes, jnp.int32), rows, block_m, align))  # [4, T]
+    assert visits.shape == (4, max_row_tiles(rows, len(group_sizes), block_m, align))
     used = visits[0] <= len(group_sizes)
     assert np.all(used[:used.sum()]) and not np.any(used[used.sum():])  # unused visits trail, id G + 1
     return visits[:, used]
 
 
+@pytest.mark.parametrize("align", [None, 8, 1])  # the blocks; the Mosaic kernels' 8-row windows; any row
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("seed", range(4))
-def test_row_tiles_cover_every_row_once_within_one_block_and_one_segment(seed, block_m):
+@pytest.mark.parametrize("seed", range(6))
+def test_row_tiles_cover_every_row_once_within_one_window_and_one_segment(seed, block_m, align):
     rng = np.random.default_rng(seed)
     groups, rows = 8, 200
     sizes = rng.integers(0, 25, groups) * rng.integers(0, 2, groups)  # about half the groups empty; sum <= 198
-    sizes[-1] = seed * 10  # 0 to 30 rows in the last group; 0 to 200 padding rows
+    sizes[-1] = seed * 10  # 0 to 50 rows in the last group; 0 to 200 padding rows
+    if seed == 5:  # no padding: the bound on the number of visits is reached more closely
+        sizes[0] += rows - sizes.sum()
     segment_of_row = np.concatenate([np.repeat(np.arange(groups), sizes), np.full(rows - sizes.sum(), groups)])
     seen = np.zeros(rows, int)
-    for seg, block, first, last in _used_visits(sizes, rows, block_m).T:
-        assert block * block_m <= first < last <= (block + 1) * block_m
+    visits = _used_visits(sizes, rows, block_m, align)
+    for seg, row0, first, last in visits.T:
+        assert row0 <= first < last <= row0 + block_m
+        assert row0 % (align or block_m) == 0
         assert np.all(segment_of_row[first:last] == seg)
         seen[first:last] += 1
     assert np.all(seen == 1)
+    segments = np.concatenate([sizes, [rows - sizes.sum()]])
+    if align:  # a segment's windows start at most align - 1 rows before it
+        ends = np.cumsum(segments)
+        starts = ends - segments
+        assert visits.shape[1] == sum(-(-(e - s // align * align) // block_m) for s, e in zip(starts, ends) if e > s)
 
 
 def test_a_block_of_tiny_groups_is_visited_once_per_group():
     visits = _used_visits([3, 2, 0, 4, 30], 40, 16)
-    assert visits.T.tolist() == [[0, 0, 0, 3], [1, 0, 3, 5], [3, 0, 5, 9], [4, 0, 9, 16], [4, 1, 16, 32],
-                                 [4, 2, 32, 39], [5, 2, 39, 40]]  # the last row is padding (segment G = 5)
+    assert visits.T.tolist() == [[0, 0, 0, 3], [1, 0, 3, 5], [3, 0, 5, 9], [4, 0, 9, 16], [4, 16, 16, 32],
+                                 [4, 32, 32, 39], [5, 32, 39, 40]]  # the last row is padding (segment G = 5)
+    visits = _used_visits([3, 2, 0, 4, 30], 40, 16, align=1)
+    assert visits.T.tolist() == [[0, 0, 0, 3], [1, 3, 3, 5], [3, 5, 5, 9], [4, 9, 9, 25], [4, 25, 25, 39],
+                                 [5, 39, 39, 40]]  # windows from each segment's first row
 
 
 @pytest.mark.parametrize("n_rows,n_cols,group", [(7, 3, 2), (8, 5, 8), (5, 4, 8), (1, 6, 3)])

@@ -69,7 +69,8 @@ def _mosaic_calls(rows, k, n, groups, dtype, tiling):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("rows", [1024, 1000, 777])  # whole row blocks, a block past the array, rows padded to 8
+# whole row blocks, a block past the array, rows padded to 8, fewer rows than a row window (padded to one)
+@pytest.mark.parametrize("rows", [1024, 1000, 777, 40])
 def test_forward_dgrad_and_wgrad_lower_for_cuda(dtype, rows):
     tiling = default_mosaic_tiling(320, 384)  # dgrad: 320 columns in two 192-wide tiles, the last one partial
     assert tiling.dgrad.block_n == 192

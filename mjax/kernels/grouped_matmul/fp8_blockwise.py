@@ -82,10 +82,10 @@ def piece_of_row(visits, rows: int):
 def quantize_pieces(v, visits, dtype):
     """v [M, C] -> (q [M, C] fp8, s [T, C] f32): each column of each piece is one block, s = its amax / fp8_max."""
     rows, c = v.shape
-    _, block, first, last = visits
+    _, row0, first, last = visits
     n_blocks = -(-rows // BLOCK)
     vb = jnp.pad(v, ((0, n_blocks * BLOCK - rows), (0, 0))).reshape(n_blocks, BLOCK, c)  # [M/128, 128, C]
-    block = jnp.clip(block, 0, n_blocks - 1)  # unused visits own no rows (first >= last): any block will do
+    block = jnp.clip(row0 // BLOCK, 0, n_blocks - 1)  # unused visits own no rows (first >= last): any block will do
     row = block[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)  # [T, 128]
     inside = ((row >= first[:, None]) & (row < last[:, None]))[..., None]  # [T, 128, 1]
     piece_amax = jnp.max(jnp.where(inside, jnp.abs(vb[block].astype(jnp.float32)), 0.0), axis=1)  # [T, C]

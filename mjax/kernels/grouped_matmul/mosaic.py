@@ -4,13 +4,15 @@ custom_vjp, float32 accumulation; bfloat16 / float16 operands. GPU only (no inte
 
     y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms)
 
-Forward and dgrad walk the visits of `schedule.row_tiles` (the Triton kernels' work list) times column blocks:
-every row block is loaded whole by TMA (rows outside the visited segment are multiplied but never stored), and the
-visited segment's rows are stored from shared memory as a sum of power-of-two row slices (a TMA copy needs static
-shapes and the row count is known only at run time). dgrad reads w[g] as [K, N] tiles and hands wgmma their
+Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, each a block_m-row window from the
+8-row tile at or before its segment's first row (TMA loads start at any 8-row tile, so a group of s rows takes
+about ceil(s / block_m) visits wherever it starts): the window is loaded whole (rows outside the visited segment are
+multiplied but never stored), and the visited segment's rows are stored from shared memory as a sum of
+power-of-two row slices (a TMA copy needs static shapes and the row count is known only at run time). dgrad reads w[g] as [K, N] tiles and hands wgmma their
 transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
-in aligned block_k chunks (a run-time trip count) and zeroes the rows of the first and last chunk that belong to
-another group or to the padding, in both operands (the padding may hold non-finite values).
+in block_k chunks from the 8-row tile holding its first row (a run-time trip count) and zeroes the rows of the first
+and last chunk that belong to another group or to the padding, in both operands (the padding may hold non-finite
+values).
 
 A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
 num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
@@ -26,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mjax.kernels.grouped_matmul import mosaic_specialized
-from mjax.kernels.grouped_matmul.mosaic_parts import mask_group_edges, store_rows, swizzled, wgrad_bounds
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import SHARED_MEMORY_BYTES, KernelTile, Tiling
 
@@ -72,14 +74,14 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     groups = w.shape[0]
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    visits = row_tiles(group_sizes, rows, bm)  # [4, T]
-    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
+    visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm, TMA_ROWS), -(-cols // bn)
 
     def body(visits_gmem, a_gmem, w_gmem, out_gmem):
         @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
         def _(loop_info: plgpu.NDLoopInfo):
             t, j = plgpu.planar_snake(loop_info.index[0], (n_visits, n_col_blocks), 1, tile.group_m)
-            seg, block, first, last = (visits_gmem[i, t] for i in range(4))
+            seg, row0, first, last = (visits_gmem[i, t] for i in range(4))
             w_g = w_gmem.at[jnp.minimum(seg, groups - 1)]
 
             def acc_scope(acc_ref):
@@ -92,12 +94,12 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
                         step,
                         grid=(depth // bk,),
                         in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda d: (block, d), delay_release=1),
+                            plgpu.BlockSpec((bm, bk), lambda d: (0, d), delay_release=1),
                             plgpu.BlockSpec((bn, bk), lambda d: (j, d), delay_release=1) if transpose_w
                             else plgpu.BlockSpec((bk, bn), lambda d: (d, j), delay_release=1),
                         ],
                         max_concurrent_steps=tile.num_stages,
-                    )(a_gmem, w_g)
+                    )(a_gmem.at[pl.ds(pl.multiple_of(row0, TMA_ROWS), bm)], w_g)  # the visit's window; past M: zeros
 
                 return acc_ref[...]
 
@@ -105,8 +107,6 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
 
             @pl.when(seg <= groups)  # unused visits store nothing
             def _():
-                row0 = block * bm
-
                 @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype=out_gmem.dtype))
                 def _(o_smem):
                     store_rows(acc, o_smem, out_gmem, row0, first - row0, last - first, j * bn, bm, bn)
@@ -132,16 +132,16 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
         def _(loop_info: plgpu.NDLoopInfo):
             g = loop_info.index[0]
             i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
-            start, end, block_start, n_chunks = (bounds_gmem[r, g] for r in range(4))
+            start, end, origin, n_chunks = (bounds_gmem[r, g] for r in range(4))
 
             def acc_scope(acc_ref):
                 def step(c, x_smem, dy_smem):
-                    mask_group_edges(c[0], n_chunks, start, end, bk, x_smem, dy_smem)
+                    mask_group_edges(c[0], n_chunks, start, end, origin, bk, x_smem, dy_smem)
                     plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn] -> [bm, bn]
 
                 @pl.when(n_chunks > 0)
                 def _():
-                    group_rows = pl.ds(pl.multiple_of(block_start, bk), rows)  # may run past M: never read there
+                    group_rows = pl.ds(pl.multiple_of(origin, TMA_ROWS), rows)  # may run past M: never read there
                     plgpu.emit_pipeline(
                         step,
                         grid=(n_chunks,),
@@ -195,16 +195,14 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
 def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):
     """The differentiable grouped matmul; see the module docstring. Shapes and tiling are checked by the caller.
-    A row count that is no multiple of 8 is padded up to one (the TMA copies' row tiling): the added rows are
-    padding rows, and they are cut off again."""
+    A row count that is no multiple of 8 (the TMA copies' row tiling), or fewer rows than one window of a kernel, is
+    padded up: the added rows are padding rows, and they are cut off again."""
     rows = x.shape[0]
-    padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    window = max(tiling.forward.block_m, tiling.dgrad.block_m, tiling.wgrad.block_k)
+    padded = max(-(-rows // TMA_ROWS) * TMA_ROWS, window)
     if padded == rows:
         return _grouped(x, w, group_sizes, tiling, num_sms)
     return _grouped(jnp.pad(x, ((0, padded - rows), (0, 0))), w, group_sizes, tiling, num_sms)[:rows]
-
-
-ROW_MULTIPLE = 8
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -10,6 +10,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mjax.kernels.grouped_matmul.schedule import group_bounds
 
 
+# A swizzled tile's TMA copy moves whole 8-row tiles: its row offset must be a multiple of 8 (layout inference needs
+# pl.multiple_of(row, TMA_ROWS) to prove it).
+TMA_ROWS = 8
+
+
 def swizzled(dtype):
     """Every tile's minor dimension is a multiple of 64 elements: 128-byte rows, the widest swizzle."""
     swizzle = plgpu.find_swizzle(64 * jnp.dtype(dtype).itemsize * 8)
@@ -34,11 +39,12 @@ def store_rows(acc, o_smem, out_gmem, row0, first, count, col0, bm: int, bn: int
 
 
 def wgrad_bounds(group_sizes, rows: int, bk: int):
-    """int32 [4, G]: per group its first row, its end, the first row of its first aligned bk-row chunk, and its
-    number of chunks (0 for an empty group)."""
+    """int32 [4, G]: per group its first row, its end, the first row of its first bk-row chunk (the TMA tile row at
+    or before its first row), and its number of chunks (0 for an empty group)."""
     starts, ends = group_bounds(group_sizes, rows)
-    chunks = jnp.where(ends > starts, (ends + bk - 1) // bk - starts // bk, 0)
-    return jnp.stack([starts, ends, starts // bk * bk, chunks])
+    origin = starts // TMA_ROWS * TMA_ROWS
+    chunks = jnp.where(ends > starts, (ends - origin + bk - 1) // bk, 0)
+    return jnp.stack([starts, ends, origin, chunks])
 
 
 def keep_rows(ref, keep):
@@ -48,11 +54,12 @@ def keep_rows(ref, keep):
     plgpu.commit_smem()
 
 
-def mask_group_edges(c, n_chunks, start, end, bk: int, x_smem, dy_smem):
-    """Zeroes, in wgrad's chunk c of a group [start, end), the rows before the group (first chunk) and after it
-    (last chunk), in both operand tiles."""
-    head = lax.rem(start, bk)  # rows of the first chunk before the group
-    tail = lax.rem(end, bk)  # rows of the last chunk in the group (0: all of them)
+def mask_group_edges(c, n_chunks, start, end, origin, bk: int, x_smem, dy_smem):
+    """Zeroes, in wgrad's chunk c (of bk rows from `origin`) of a group [start, end), the rows before the group
+    (first chunk) and after it (last chunk), in both operand tiles: other groups' rows or the padding, which may hold
+    non-finite values."""
+    head = start - origin  # rows of the first chunk before the group (< TMA_ROWS)
+    tail = lax.rem(end - origin, bk)  # rows of the last chunk in the group (0: all of them)
 
     @pl.when((c == 0) & (head != 0))
     def _():

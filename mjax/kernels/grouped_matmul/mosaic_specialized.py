@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.grouped_matmul.mosaic_parts import mask_group_edges, store_rows, swizzled, wgrad_bounds
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import KernelTile
 
@@ -47,25 +47,25 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
     groups = w.shape[0]
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    visits = row_tiles(group_sizes, rows, bm)  # [4, T]
-    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
+    visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm, TMA_ROWS), -(-cols // bn)
     tf = swizzled(a.dtype)
     steps = depth // bk
     stages = min(tile.num_stages, steps)
     chained = steps % stages == 0
 
-    def specs(block, j):
+    def specs(j):  # a: the visit's window of rows; w: its group's weights
         w_spec = (plgpu.BlockSpec((bn, bk), lambda d: (j, d), transforms=tf) if transpose_w
                   else plgpu.BlockSpec((bk, bn), lambda d: (d, j), transforms=tf))
-        return [plgpu.BlockSpec((bm, bk), lambda d: (block, d), transforms=tf), w_spec]
+        return [plgpu.BlockSpec((bm, bk), lambda d: (0, d), transforms=tf), w_spec]
 
-    def pipeline(body, context, block, j, state):
-        return _pipeline(body, context, specs(block, j), (steps,), stages, pipeline_state=state if chained else None,
+    def pipeline(body, context, j, state):
+        return _pipeline(body, context, specs(j), (steps,), stages, pipeline_state=state if chained else None,
                          manual_consumed_barriers=True)
 
     def body(visits_gmem, a_gmem, w_gmem, out_gmem, o_smem):
         # One allocation for all tiles (the specs' shapes are all it depends on): no barrier between tiles.
-        allocations = pipeline(None, None, 0, 0, None).get_allocations(a_gmem, w_gmem.at[0])
+        allocations = pipeline(None, None, 0, None).get_allocations(a_gmem.at[pl.ds(0, bm)], w_gmem.at[0])
 
         @functools.partial(pl.run_scoped, allocs=allocations, collective_axes="wg")
         def _(allocs):
@@ -88,8 +88,8 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
             @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
             def _(loop_info: plgpu.NDLoopInfo, carry):
                 t, j = plgpu.planar_snake(loop_info.index[0], (n_visits, n_col_blocks), 1, tile.group_m)
-                seg, block, first, last = (visits_gmem[i, t] for i in range(4))
-                row0 = block * bm
+                seg, row0, first, last = (visits_gmem[i, t] for i in range(4))
+                window = a_gmem.at[pl.ds(pl.multiple_of(row0, TMA_ROWS), bm)]  # past M: TMA reads zeros
 
                 def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have read o_smem
@@ -109,7 +109,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
 
                 @pl.when(seg < groups)
                 def _():
-                    pipeline(mma, context, block, j, state)(a_gmem, w_gmem.at[seg], allocations=allocs)
+                    pipeline(mma, context, j, state)(window, w_gmem.at[seg], allocations=allocs)
 
                 @pl.when((seg == groups) & is_compute)  # the padding rows: zeros
                 def _():
@@ -147,7 +147,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
             def _(loop_info: plgpu.NDLoopInfo, carry):
                 g = loop_info.index[0]
                 i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
-                group = tuple(bounds_gmem[r, g] for r in range(4))  # start, end, block_start, n_chunks
+                group = tuple(bounds_gmem[r, g] for r in range(4))  # start, end, origin, n_chunks
                 per_tile(g, i, j, group, carry)  # carry: the first step of this tile
                 return carry + group[3]
 
@@ -161,7 +161,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 def load(g, i, j, group, first_step):
-                    _, _, block_start, n_chunks = group
+                    _, _, origin, n_chunks = group
 
                     @pl.loop(0, n_chunks)
                     def _(c):
@@ -172,7 +172,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                         def _():
                             plgpu.barrier_wait(consumed.at[slot])
 
-                        chunk = pl.ds(pl.multiple_of(block_start + c * bk, bk), bk)  # past M: TMA reads zeros
+                        chunk = pl.ds(pl.multiple_of(origin + c * bk, TMA_ROWS), bk)  # past M: TMA reads zeros
                         plgpu.copy_gmem_to_smem(x_gmem.at[chunk, pl.ds(i * bm, bm)], x_ring.at[slot],
                                                 produced.at[slot])
                         plgpu.copy_gmem_to_smem(dy_gmem.at[chunk, pl.ds(j * bn, bn)], dy_ring.at[slot],
@@ -185,7 +185,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
                 def compute(g, i, j, group, first_step):
-                    start, end, _, n_chunks = group
+                    start, end, origin, n_chunks = group
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn)))
                     def _(acc_ref):
@@ -195,7 +195,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                             slot = lax.rem(step, stages)
                             plgpu.barrier_wait(produced.at[slot])
                             x_smem, dy_smem = x_ring.at[slot], dy_ring.at[slot]
-                            mask_group_edges(c, n_chunks, start, end, bk, x_smem, dy_smem)
+                            mask_group_edges(c, n_chunks, start, end, origin, bk, x_smem, dy_smem)
                             plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn]
                             plgpu.wgmma_wait(1)  # the previous step's wgmma is done with its stage
 

@@ -2,9 +2,12 @@
 
 Rows of x are sorted by group: group g owns [start_g, end_g), and rows at or past sum(group_sizes) are padding,
 treated here as one more segment (id G) whose output rows are written as zeros. The forward and dgrad kernels walk
-aligned [block_m] row blocks; a block that crosses segment boundaries is visited once per segment it touches, each
-visit masking its loads and stores to that segment's rows. Every output row is so written exactly once, and the
-number of visits is at most ceil(M / block_m) + G: a static grid, whose trailing unused steps do nothing.
+[block_m]-row windows, each visit of a window masking its stores (and the Triton kernels their loads) to one
+segment's rows, so that every output row is written exactly once. A segment's windows start at the multiple of
+`align` rows at or before its first row and step by block_m. The Triton kernels' windows are the row blocks
+(align = block_m: a block is visited once per segment it touches, at most ceil(M / block_m) + G visits); the Mosaic
+kernels' start on the 8-row tiles of their TMA copies, so that a segment of s rows costs about ceil(s / block_m)
+visits however it sits against the blocks. Either way a static grid, whose trailing unused visits do nothing.
 """
 
 import jax.numpy as jnp
@@ -21,29 +24,36 @@ def group_bounds(group_sizes, rows: int):
     return jnp.minimum(starts, rows), jnp.minimum(ends, rows)
 
 
-def max_row_tiles(rows: int, groups: int, block_m: int) -> int:
-    return -(-rows // block_m) + groups
+def max_row_tiles(rows: int, groups: int, block_m: int, align: int | None = None) -> int:
+    align = align or block_m
+    if align == block_m:  # the blocks, and one more visit per segment boundary inside one
+        return -(-rows // block_m) + groups
+    # A segment of s rows starts at most align - 1 rows after its window: at most (s + align - 1) // block_m + 1.
+    return (rows + (groups + 1) * (align - 1)) // block_m + groups + 1
 
 
-def row_tiles(group_sizes, rows: int, block_m: int):
-    """int32 [4, T] with T = max_row_tiles: per visit (segment id, row block, first row, last row + 1).
+def row_tiles(group_sizes, rows: int, block_m: int, align: int | None = None):
+    """int32 [4, T] with T = max_row_tiles: per visit (segment id, the window's first row, the segment's first and
+    last + 1 row in it). `align` divides block_m (default: block_m).
 
     Segment ids are groups 0..G-1, G for the padding rows (zeros), G + 1 for unused visits."""
+    align = align or block_m
+    assert block_m % align == 0, (block_m, align)
     groups = group_sizes.shape[0]
     starts, ends = group_bounds(group_sizes, rows)
     seg_start = jnp.concatenate([starts, ends[-1:]])  # [G + 1]: the groups, then the padding rows
     seg_end = jnp.concatenate([ends, jnp.full((1,), rows, jnp.int32)])
-    first_block = seg_start // block_m
-    visits = jnp.where(seg_end > seg_start, (seg_end - 1) // block_m - first_block + 1, 0)  # [G + 1]
+    origin = seg_start // align * align  # [G + 1]: the first window's first row
+    visits = jnp.where(seg_end > seg_start, (seg_end - 1 - origin) // block_m + 1, 0)  # [G + 1]
     visits_end = jnp.cumsum(visits)
-    t = jnp.arange(max_row_tiles(rows, groups, block_m), dtype=jnp.int32)
+    t = jnp.arange(max_row_tiles(rows, groups, block_m, align), dtype=jnp.int32)
     # Segment of visit t: how many segments end at or before it (a compare-and-sum, which XLA fuses; T x (G + 1)).
     seg = jnp.sum(visits_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # [T] in [0, G + 1]
     s = jnp.minimum(seg, groups)
-    block = first_block[s] + t - (visits_end[s] - visits[s])
-    first = jnp.maximum(seg_start[s], block * block_m)
-    last = jnp.minimum(seg_end[s], block * block_m + block_m)
-    return jnp.stack([seg, block, first, last])
+    row0 = origin[s] + (t - (visits_end[s] - visits[s])) * block_m
+    first = jnp.maximum(seg_start[s], row0)
+    last = jnp.minimum(seg_end[s], row0 + block_m)
+    return jnp.stack([seg, row0, first, last])
 
 
 def swizzle(pid, n_rows: int, n_cols: int, group: int):
@@ -63,8 +73,8 @@ def visit_tile(visits_ref, tile, n_visits: int, n_col_blocks: int):
     the visited segment)."""
     bm, bn = tile.block_m, tile.block_n
     t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
-    group, block, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
-    row0 = pl.multiple_of(block * bm, bm)
+    group, row0, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
+    row0 = pl.multiple_of(row0, bm)  # aligned windows
     col0 = pl.multiple_of(j * bn, bn)
     row_ids = row0 + jnp.arange(bm, dtype=jnp.int32)
     keep = jnp.broadcast_to(((row_ids >= first) & (row_ids < last))[:, None], (bm, bn))
