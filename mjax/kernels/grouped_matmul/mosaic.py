@@ -11,8 +11,8 @@ multiplied but never stored), and the visited segment's rows are stored from sha
 power-of-two row slices (a TMA copy needs static shapes and the row count is known only at run time). dgrad reads w[g] as [K, N] tiles and hands wgmma their
 transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
 in block_k chunks from the 8-row tile holding its first row (a run-time trip count) and zeroes the rows of the first
-and last chunk that belong to another group or to the padding, in both operands (the padding may hold non-finite
-values).
+and last chunk that belong to another group (in dy) or to the padding (in both operands: the padding may hold
+non-finite values).
 
 A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
 num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
@@ -123,7 +123,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    bounds = wgrad_bounds(group_sizes, rows, bk)  # [4, G]
+    bounds = wgrad_bounds(group_sizes, rows, bk)  # [5, G]
     n_k_blocks, n_n_blocks = k // bm, n // bn
     transforms = swizzled(x.dtype)
 
@@ -132,11 +132,11 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
         def _(loop_info: plgpu.NDLoopInfo):
             g = loop_info.index[0]
             i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
-            start, end, origin, n_chunks = (bounds_gmem[r, g] for r in range(4))
+            start, end, origin, n_chunks, into_padding = (bounds_gmem[r, g] for r in range(5))
 
             def acc_scope(acc_ref):
                 def step(c, x_smem, dy_smem):
-                    mask_group_edges(c[0], n_chunks, start, end, origin, bk, x_smem, dy_smem)
+                    mask_group_edges(c[0], n_chunks, start, end, origin, into_padding, bk, x_smem, dy_smem)
                     plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn] -> [bm, bn]
 
                 @pl.when(n_chunks > 0)

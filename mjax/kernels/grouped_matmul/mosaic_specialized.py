@@ -135,7 +135,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
     bm, bn, bk, stages = tile.block_m, tile.block_n, tile.block_k, tile.num_stages
-    bounds = wgrad_bounds(group_sizes, rows, bk)  # [4, G]
+    bounds = wgrad_bounds(group_sizes, rows, bk)  # [5, G]
     n_k_blocks, n_n_blocks = k // bm, n // bn
     tf = swizzled(x.dtype)
 
@@ -147,7 +147,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
             def _(loop_info: plgpu.NDLoopInfo, carry):
                 g = loop_info.index[0]
                 i, j = plgpu.planar_snake(loop_info.index[1], (n_k_blocks, n_n_blocks), 1, tile.group_m)
-                group = tuple(bounds_gmem[r, g] for r in range(4))  # start, end, origin, n_chunks
+                group = tuple(bounds_gmem[r, g] for r in range(5))  # start, end, origin, n_chunks, into_padding
                 per_tile(g, i, j, group, carry)  # carry: the first step of this tile
                 return carry + group[3]
 
@@ -161,7 +161,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 def load(g, i, j, group, first_step):
-                    _, _, origin, n_chunks = group
+                    _, _, origin, n_chunks, _ = group
 
                     @pl.loop(0, n_chunks)
                     def _(c):
@@ -185,7 +185,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
 
                 def compute(g, i, j, group, first_step):
-                    start, end, origin, n_chunks = group
+                    start, end, origin, n_chunks, into_padding = group
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn)))
                     def _(acc_ref):
@@ -195,7 +195,7 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                             slot = lax.rem(step, stages)
                             plgpu.barrier_wait(produced.at[slot])
                             x_smem, dy_smem = x_ring.at[slot], dy_ring.at[slot]
-                            mask_group_edges(c, n_chunks, start, end, origin, bk, x_smem, dy_smem)
+                            mask_group_edges(c, n_chunks, start, end, origin, into_padding, bk, x_smem, dy_smem)
                             plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)  # [bk, bm]^T [bk, bn]
                             plgpu.wgmma_wait(1)  # the previous step's wgmma is done with its stage
 
