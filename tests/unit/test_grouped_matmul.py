@@ -126,7 +126,7 @@ _row_tiles = jax.jit(row_tiles, static_argnums=(1, 2, 3))
 
 def _used_visits(group_sizes, rows, block_m, align=None):
     visits = np.asarray(_row_tiles(jnp.asarray(group_sizes, jnp.int32), rows, block_m, align))  # [4, T]
-    assert visits.shape == (4, max_row_tiles(rows, len(group_sizes), block_m, align))
+    assert visits.shape == (4, max_row_tiles(rows, len(group_sizes), block_m))
     used = visits[0] <= len(group_sizes)
     assert np.all(used[:used.sum()]) and not np.any(used[used.sum():])  # unused visits trail, id G + 1
     return visits[:, used]

@@ -4,11 +4,13 @@ here; the values are checked on a Hopper GPU by tests/gpu/test_grouped_matmul_mo
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl, grouped_matmul,
                                          why_unsupported)
 from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic, mosaic_tile_problem
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, wgrad_bounds
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
 FACTS = dict(dtype=jnp.bfloat16, k=2048, n=768, m=32768, groups=8)
@@ -100,3 +102,26 @@ def test_auto_takes_mosaic_on_hopper_for_the_calls_it_tiles_and_pallas_otherwise
     assert choose_impl("auto", backend="gpu", hopper=True, **FACTS, fp8_grad=jnp.float8_e5m2) == "pallas"
     assert choose_impl("auto", backend="gpu", hopper=True, **{**FACTS, "n": 96}) == "pallas"
     assert choose_impl("auto", backend="cpu", hopper=False, **FACTS) == "xla"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_wgrad_chunks_cover_each_group_and_flag_those_reaching_into_the_padding(seed):
+    """What the wgrad kernels' masks rely on: a group's bk-row chunks start on the 8-row tile holding its first row
+    and cover it; rows before the group lie only in its first chunk; a chunk reaching past sum(group_sizes) (into the
+    padding, which may hold NaN: both operands are zeroed there) is the group's last and is flagged."""
+    rng = np.random.default_rng(seed)
+    bk, groups = 64, 12
+    sizes = rng.integers(0, 90, groups) * rng.integers(0, 2, groups)  # about half the groups empty
+    rows = int(sizes.sum()) + [0, 1, 7, 64, 100][seed % 5]
+    if seed == 7:
+        rows = int(sizes.sum()) - 5  # the groups claim more rows than there are: clipped
+    start, end, origin, chunks, into_padding = np.asarray(jax.jit(wgrad_bounds, static_argnums=(1, 2))(
+        jnp.asarray(sizes, jnp.int32), rows, bk))
+    used = min(int(sizes.sum()), rows)
+    for g in range(groups):
+        if end[g] == start[g]:
+            assert chunks[g] == 0
+            continue
+        assert origin[g] % TMA_ROWS == 0 and start[g] - TMA_ROWS < origin[g] <= start[g]
+        assert origin[g] + (chunks[g] - 1) * bk < end[g] <= origin[g] + chunks[g] * bk  # no chunk wasted
+        assert into_padding[g] == (used < rows and origin[g] + chunks[g] * bk > used)

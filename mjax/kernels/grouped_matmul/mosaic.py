@@ -8,8 +8,8 @@ Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, e
 8-row tile at or before its segment's first row (TMA loads start at any 8-row tile, so a group of s rows takes
 about ceil(s / block_m) visits wherever it starts): the window is loaded whole (rows outside the visited segment are
 multiplied but never stored), and the visited segment's rows are stored from shared memory as a sum of
-power-of-two row slices (a TMA copy needs static shapes and the row count is known only at run time). dgrad reads w[g] as [K, N] tiles and hands wgmma their
-transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
+power-of-two row slices (a TMA copy needs static shapes and the row count is known only at run time). dgrad
+reads w[g] as [K, N] tiles and hands wgmma their transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
 in block_k chunks from the 8-row tile holding its first row (a run-time trip count) and zeroes the rows of the first
 and last chunk that belong to another group (in dy) or to the padding (in both operands: the padding may hold
 non-finite values).
@@ -75,7 +75,7 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
-    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm, TMA_ROWS), -(-cols // bn)
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
 
     def body(visits_gmem, a_gmem, w_gmem, out_gmem):
         @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
@@ -141,7 +141,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
                 @pl.when(n_chunks > 0)
                 def _():
-                    group_rows = pl.ds(pl.multiple_of(origin, TMA_ROWS), rows)  # may run past M: never read there
+                    group_rows = pl.ds(pl.multiple_of(origin, TMA_ROWS), rows)  # past M: TMA reads zeros
                     plgpu.emit_pipeline(
                         step,
                         grid=(n_chunks,),

@@ -41,7 +41,7 @@ def store_rows(acc, o_smem, out_gmem, row0, first, count, col0, bm: int, bn: int
 def wgrad_bounds(group_sizes, rows: int, bk: int):
     """int32 [5, G]: per group its first row, its end, the first row of its first bk-row chunk (the TMA tile row at
     or before its first row), its number of chunks (0 for an empty group), and 1 if its last chunk reaches into the
-    padding rows (a group ending less than bk rows before them)."""
+    padding rows (ends past sum(group_sizes), when rows are left over)."""
     starts, ends = group_bounds(group_sizes, rows)
     origin = starts // TMA_ROWS * TMA_ROWS
     chunks = jnp.where(ends > starts, (ends - origin + bk - 1) // bk, 0)
@@ -60,8 +60,8 @@ def keep_rows(ref, keep):
 def mask_group_edges(c, n_chunks, start, end, origin, into_padding, bk: int, x_smem, dy_smem):
     """Zeroes, in wgrad's chunk c (of bk rows from `origin`) of a group [start, end), the rows before the group
     (first chunk) and after it (last chunk). Another group's rows need only their dy zeroed (x . 0 = 0 for finite
-    x: one shared-memory pass instead of two, which is a sixth of wgrad's time at 127 groups of 258 rows); the
-    padding rows may hold non-finite values, so a last chunk reaching into them has both operands zeroed."""
+    x: one shared-memory pass instead of two); the padding rows may hold non-finite values, so a last chunk reaching
+    into them has both operands zeroed."""
     head = start - origin  # rows of the first chunk before the group (< TMA_ROWS)
     tail = lax.rem(end - origin, bk)  # rows of the last chunk in the group (0: all of them)
 

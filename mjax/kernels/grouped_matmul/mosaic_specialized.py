@@ -48,7 +48,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
-    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm, TMA_ROWS), -(-cols // bn)
+    n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
     tf = swizzled(a.dtype)
     steps = depth // bk
     stages = min(tile.num_stages, steps)

@@ -5,9 +5,9 @@ treated here as one more segment (id G) whose output rows are written as zeros. 
 [block_m]-row windows, each visit of a window masking its stores (and the Triton kernels their loads) to one
 segment's rows, so that every output row is written exactly once. A segment's windows start at the multiple of
 `align` rows at or before its first row and step by block_m. The Triton kernels' windows are the row blocks
-(align = block_m: a block is visited once per segment it touches, at most ceil(M / block_m) + G visits); the Mosaic
-kernels' start on the 8-row tiles of their TMA copies, so that a segment of s rows costs about ceil(s / block_m)
-visits however it sits against the blocks. Either way a static grid, whose trailing unused visits do nothing.
+(align = block_m: a block is visited once per segment it touches); the Mosaic kernels' start on the 8-row tiles of
+their TMA copies, so that a segment of s rows costs about ceil(s / block_m) visits however it sits against the
+blocks. Either way at most ceil(M / block_m) + G visits: a static grid, whose trailing unused visits do nothing.
 """
 
 import jax.numpy as jnp
@@ -24,12 +24,11 @@ def group_bounds(group_sizes, rows: int):
     return jnp.minimum(starts, rows), jnp.minimum(ends, rows)
 
 
-def max_row_tiles(rows: int, groups: int, block_m: int, align: int | None = None) -> int:
-    align = align or block_m
-    if align == block_m:  # the blocks, and one more visit per segment boundary inside one
-        return -(-rows // block_m) + groups
-    # A segment of s rows starts at most align - 1 rows after its window: at most (s + align - 1) // block_m + 1.
-    return (rows + (groups + 1) * (align - 1)) // block_m + groups + 1
+def max_row_tiles(rows: int, groups: int, block_m: int) -> int:
+    """The row blocks, and one more visit per segment boundary inside one. It bounds windows of any `align` dividing
+    block_m too: a segment's first window starts at or after the block holding its first row, so it has no more
+    windows than the blocks it touches."""
+    return -(-rows // block_m) + groups
 
 
 def row_tiles(group_sizes, rows: int, block_m: int, align: int | None = None):
@@ -46,7 +45,7 @@ def row_tiles(group_sizes, rows: int, block_m: int, align: int | None = None):
     origin = seg_start // align * align  # [G + 1]: the first window's first row
     visits = jnp.where(seg_end > seg_start, (seg_end - 1 - origin) // block_m + 1, 0)  # [G + 1]
     visits_end = jnp.cumsum(visits)
-    t = jnp.arange(max_row_tiles(rows, groups, block_m, align), dtype=jnp.int32)
+    t = jnp.arange(max_row_tiles(rows, groups, block_m), dtype=jnp.int32)
     # Segment of visit t: how many segments end at or before it (a compare-and-sum, which XLA fuses; T x (G + 1)).
     seg = jnp.sum(visits_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # [T] in [0, G + 1]
     s = jnp.minimum(seg, groups)
@@ -70,7 +69,7 @@ def swizzle(pid, n_rows: int, n_cols: int, group: int):
 def visit_tile(visits_ref, tile, n_visits: int, n_col_blocks: int):
     """Inside a row-block kernel: this program's (row-block visit, column block) of row_tiles' work list ->
     (segment, first row, first column, the block's row ids [block_m], the store mask [block_m, block_n]: the rows of
-    the visited segment)."""
+    the visited segment). For aligned windows (row_tiles' default align)."""
     bm, bn = tile.block_m, tile.block_n
     t, j = swizzle(pl.program_id(0), n_visits, n_col_blocks, tile.group_m)
     group, row0, first, last = visits_ref[0, t], visits_ref[1, t], visits_ref[2, t], visits_ref[3, t]
