@@ -4,8 +4,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 # On CPU the tests' programs are tiny and run a few times each, so XLA's LLVM optimisation costs more than it saves
-# (make test: 7:36 -> about 4:30 on 2 cores). Not on a GPU, whose kernels the gpu tests time. A flag the caller sets
-# in XLA_FLAGS comes later and wins.
+# (most of the suite is compile time). Not on a GPU, whose kernels the gpu tests time. A flag the
+# caller sets in XLA_FLAGS comes later and wins.
 fast_compile = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 # Collectives of 8 fake devices on 2 loaded cores can wait long for a starved device thread: XLA aborts the process
 # after 40 s in a rendezvous by default; wait ten minutes (a real deadlock still fails the test run).

@@ -9,10 +9,10 @@ Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, e
 about ceil(s / block_m) visits wherever it starts): the window is loaded whole (rows outside the visited segment are
 multiplied but never stored), and the visited segment's rows are stored from shared memory as a sum of
 power-of-two row slices (a TMA copy needs static shapes and the row count is known only at run time). dgrad
-reads w[g] as [K, N] tiles and hands wgmma their transpose: w^T is never written. wgrad walks (group, K tile, N tile); each program steps through its group's rows
-in block_k chunks from the 8-row tile holding its first row (a run-time trip count) and zeroes the rows of the first
-and last chunk that belong to another group (in dy) or to the padding (in both operands: the padding may hold
-non-finite values).
+reads w[g] as [K, N] tiles and hands wgmma their transpose: w^T is never written. wgrad walks (group, K tile,
+N tile); each program steps through its group's rows in block_k chunks from the 8-row tile holding its first row
+(a run-time trip count) and zeroes the rows of the first and last chunk that belong to another group (in dy) or to
+the padding (in both operands: the padding may hold non-finite values).
 
 A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
 num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
