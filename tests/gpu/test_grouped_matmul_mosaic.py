@@ -36,7 +36,13 @@ TILINGS = {
     # in a whole and a partial 192-column tile
     "specialized": Tiling(KernelTile(128, 128, 64, 8, 6, 4), KernelTile(128, 192, 64, 8, 4, 1),
                           KernelTile(128, 128, 64, 8, 6, 4)),
+    # two compute warpgroups (12 warps), each half the columns (at K=384, N=256): forward and wgrad stage their
+    # output in 64-column slices beside 4 stages (the forward's 6 depth steps unchained); dgrad's 384 columns leave
+    # the second warpgroup's half of the last tile past the array
+    "two compute warpgroups": Tiling(KernelTile(128, 256, 64, 12, 4, 4), KernelTile(128, 256, 64, 12, 2, 1),
+                                     KernelTile(128, 256, 64, 12, 4, 4)),
 }
+SHAPES = {"default": (1408, 192), "two compute warpgroups": (384, 256)}  # (K, N); the others (256, 128)
 
 
 def _per_group(x, w, dy, sizes):
@@ -61,7 +67,7 @@ needs_hopper = pytest.mark.skipif(jax.default_backend() != "gpu" or
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_mosaic_equals_per_group_products(case, tiling):
     sizes, m = CASES[case]
-    k, n = (2048, 192) if tiling is None else (256, 128)  # default: dgrad ends in a partial 192-column tile
+    k, n = SHAPES.get(tiling, (256, 128))  # default: dgrad's 1408 columns end in half a 256-column tile
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (len(sizes), k, n)) * k**-0.5).astype(jnp.bfloat16)
@@ -78,8 +84,8 @@ def test_mosaic_equals_per_group_products(case, tiling):
 
 @needs_hopper
 @pytest.mark.parametrize("num_sms", [1, 3])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_uneven_groups_on_few_programs(warps, num_sms):
+@pytest.mark.parametrize("specialized", [False, True])  # the default: dgrad on two compute warpgroups
+def test_uneven_groups_on_few_programs(specialized, num_sms):
     rng = np.random.default_rng(0)
     sizes = rng.multinomial(3900, rng.dirichlet(np.full(64, 0.3)))  # many empty and one-chunk groups
     assert (sizes == 0).any() and ((sizes > 0) & (sizes < 64)).any() and sizes.max() > 6 * 64
@@ -88,7 +94,7 @@ def test_uneven_groups_on_few_programs(warps, num_sms):
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16).at[3900:].set(jnp.nan)
     w = (jax.random.normal(keys[1], (64, k, n)) * k**-0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16).at[3900:].set(jnp.nan)
-    tiles = default_mosaic_tiling(k, n, num_warps=warps)
+    tiles = default_mosaic_tiling(k, n, specialized=specialized)
     gs = jnp.asarray(sizes, jnp.int32)
     y = mosaic.forward(x, w, gs, tile=tiles.forward, num_sms=num_sms)
     dx = mosaic.dgrad(dy, w, gs, tile=tiles.dgrad, num_sms=num_sms)

@@ -29,19 +29,23 @@ def test_mosaic_runs_only_on_a_gpu_and_only_16_bit_calls():
 
 
 def test_default_tiles_and_tile_problems():
-    t = default_mosaic_tiling(2048, 768, num_warps=4)
+    t = default_mosaic_tiling(2048, 768, specialized=False)
     assert (t.forward.block_m, t.forward.block_n, t.dgrad.block_n, t.wgrad.block_m, t.wgrad.block_n) == \
         (128, 192, 192, 128, 192)  # dgrad: 2048 columns in 11 tiles of 192, the last one partial
     assert {t.forward.num_stages, t.dgrad.num_stages, t.wgrad.num_stages} == {4}
-    t = default_mosaic_tiling(4096, 14336, num_warps=4)  # Mixtral: 14336 = 74 2/3 x 192
+    t = default_mosaic_tiling(4096, 14336, specialized=False)  # Mixtral: 14336 = 74 2/3 x 192
     assert (t.forward.block_n, t.dgrad.block_n, t.wgrad.block_n) == (192, 192, 128)
-    assert default_mosaic_tiling(256, 320, num_warps=4).forward.block_n == 192  # 2 x 192: 5/6 used, reuse 0.6
-    assert default_mosaic_tiling(256, 320, num_warps=4).wgrad.block_n == 64
-    assert default_mosaic_tiling(2048, 1472, num_warps=4).wgrad.block_n == 64  # 23 x 64
-    # Warp-specialised (the default): stages fill the 227 KiB beside the output tile, 4 x 40 + 48 KiB at 128 x 192,
-    # 6 x 32 + 32 at 128 x 128; wgrad prefers 128 columns.
+    assert default_mosaic_tiling(256, 320, specialized=False).forward.block_n == 192  # 2 x 192: 5/6 used, reuse 0.6
+    assert default_mosaic_tiling(256, 320, specialized=False).wgrad.block_n == 64
+    assert default_mosaic_tiling(2048, 1472, specialized=False).wgrad.block_n == 64  # 23 x 64
+    # Warp-specialised (the default): 256 columns on two compute warpgroups, 4 x 48 KiB stages beside two 128 x 64
+    # staging slices; one compute warpgroup's stages fill the 227 KiB beside its whole output tile, 4 x 40 + 48 KiB
+    # at 128 x 192, 6 x 32 + 32 at 128 x 128; wgrad prefers 128 columns.
     t = default_mosaic_tiling(2048, 768)
-    assert (str(t.forward), str(t.dgrad), str(t.wgrad)) == ("128x192x64w8s4g4",) * 2 + ("128x128x64w8s6g4",)
+    assert (str(t.forward), str(t.dgrad), str(t.wgrad)) == ("128x256x64w12s4g4",) * 2 + ("128x128x64w8s6g4",)
+    t = default_mosaic_tiling(320, 384)  # 384 and 320 columns: 192 wide (all used) beats 256 (3/4, 5/8 used)
+    assert (str(t.forward), str(t.dgrad)) == ("128x192x64w8s4g4",) * 2
+    assert str(default_mosaic_tiling(256, 128).forward) == "128x128x64w8s6g4"
     assert default_mosaic_tiling(2048, 1472).wgrad.block_n == 64
     for kn in ((2048, 768), (4096, 14336), (256, 320), (7168, 2048)):
         t = default_mosaic_tiling(*kn)
@@ -50,8 +54,13 @@ def test_default_tiles_and_tile_problems():
     assert "accumulator" in mosaic_tile_problem("forward", KernelTile(128, 256, 64, 4, 4), 2048, 768)
     assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 2, 4), 2048, 768)
     assert mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 4), 2048, 768) is None  # warp-specialised
-    assert "shared memory" in mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 5), 2048, 768)
-    for warps in (4, 8):
+    assert mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 5), 2048, 768) is None  # staged in slices
+    assert "shared memory" in mosaic_tile_problem("forward", KernelTile(128, 192, 64, 8, 6), 2048, 768)
+    assert "shared memory" in mosaic_tile_problem("forward", KernelTile(128, 256, 64, 12, 5), 2048, 768)
+    assert "multiple of 128" in mosaic_tile_problem("forward", KernelTile(128, 192, 64, 12, 4), 2048, 768)
+    assert "accumulator" in mosaic_tile_problem("forward", KernelTile(128, 512, 64, 12, 2), 2048, 1024)
+    assert "num_warps=4" in mosaic_tile_problem("forward", KernelTile(128, 128, 64, 16, 2), 2048, 1024)
+    for warps in (4, 8, 12):
         assert "num_stages >= 2" in mosaic_tile_problem("wgrad", KernelTile(128, 128, 64, warps, 1), 2048, 768)
     assert mosaic_tile_problem("dgrad", KernelTile(128, 192, 64, 4, 4), 2048, 768) is None  # a partial last tile
     assert "multiple of block_n" in mosaic_tile_problem("wgrad", KernelTile(128, 192, 64, 4, 4), 2048, 640)
@@ -93,6 +102,16 @@ def test_other_tiles_lower_too(warps):
     tiling = Tiling(KernelTile(64, 64, 64, warps, 3, 1), KernelTile(128, 64, 128, warps, 2, 2),
                     KernelTile(64, 128, 64, warps, 5, 8))
     assert _mosaic_calls(1000, 256, 128, 3, jnp.bfloat16, tiling) == 3
+
+
+def test_two_compute_warpgroup_tiles_lower():
+    # forward: 6 depth steps, chained over 3 stages, its whole 128 x 256 tile staged; dgrad: 384 columns, so the
+    # last tile's second warpgroup is past the array, 4 stages and 64-column staging slices; wgrad 64 columns each
+    tiling = Tiling(KernelTile(128, 256, 64, 12, 3, 4), KernelTile(128, 256, 64, 12, 4, 2),
+                    KernelTile(128, 128, 64, 12, 4, 4))
+    for kernel in ("forward", "dgrad", "wgrad"):
+        assert mosaic_tile_problem(kernel, getattr(tiling, kernel), 384, 512) is None
+    assert _mosaic_calls(1000, 384, 512, 3, jnp.bfloat16, tiling) == 3
 
 
 def test_auto_takes_mosaic_on_hopper_for_the_calls_it_tiles_and_pallas_otherwise():

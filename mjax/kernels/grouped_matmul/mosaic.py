@@ -17,7 +17,8 @@ the padding (in both operands: the padding may hold non-finite values).
 A tiling is `tiling.Tiling` of `KernelTile`s read as: block_m x block_n output tile, block_k depth step,
 num_stages pipelined loads, group_m the width (in column tiles) of the snake the programs walk the tiles in;
 num_warps 4: one warpgroup loads and computes the tile (this module), 8: a memory warpgroup loads and a compute
-warpgroup computes (mosaic_specialized.py). `mosaic_tile_problem` checks a tile.
+warpgroup computes (mosaic_specialized.py), 12: as 8 with two compute warpgroups, each half of the tile's
+columns. `mosaic_tile_problem` checks a tile.
 """
 
 import functools
@@ -30,12 +31,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mjax.kernels.grouped_matmul import mosaic_specialized
 from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
-from mjax.kernels.grouped_matmul.tiling import SHARED_MEMORY_BYTES, KernelTile, Tiling
+from mjax.kernels.grouped_matmul.tiling import (SHARED_MEMORY_BYTES, KernelTile, Tiling, mosaic_compute_warpgroups,
+                                                mosaic_shared_bytes)
 
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
-# One warpgroup holds the float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 255 there are.
+# One warpgroup holds its float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 255 there are.
 MAX_TILE_ELEMENTS = 128 * 192
-SPECIALIZED_WARPS = 8  # a tile of this many warps runs the warp-specialised kernels
+SPECIALIZED_WARPS = (8, 12)  # tiles of these many warps run the warp-specialised kernels
 
 
 def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | None:
@@ -50,17 +52,21 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
             return f"the Mosaic GPU {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
     if tile.block_m % 64 or tile.block_n % 64 or tile.block_k % 64:
         return f"the Mosaic GPU {kernel} tile {tile} must have block_m, block_n and block_k multiples of 64 (wgmma)"
-    if tile.block_m * tile.block_n > MAX_TILE_ELEMENTS:
-        return (f"the Mosaic GPU {kernel} tile {tile} holds {tile.block_m * tile.block_n} accumulator elements in one "
-                f"warpgroup's registers (at most {MAX_TILE_ELEMENTS})")
+    if tile.num_warps not in (4, *SPECIALIZED_WARPS):
+        return (f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup), 8 (warp-specialised) "
+                "or 12 (warp-specialised, two compute warpgroups)")
+    specialized = tile.num_warps in SPECIALIZED_WARPS
+    n_compute = mosaic_compute_warpgroups(tile) if specialized else 1
+    if tile.block_n % (64 * n_compute):
+        return (f"the Mosaic GPU {kernel} tile {tile} splits its columns between {n_compute} compute warpgroups: "
+                f"block_n must be a multiple of {64 * n_compute}")
+    if tile.block_m * tile.block_n // n_compute > MAX_TILE_ELEMENTS:
+        return (f"the Mosaic GPU {kernel} tile {tile} holds {tile.block_m * tile.block_n // n_compute} accumulator "
+                f"elements in one warpgroup's registers (at most {MAX_TILE_ELEMENTS})")
     if tile.num_stages < 2:  # a stage is released one step after its wgmma: one stage would wait on itself
         return f"the Mosaic GPU {kernel} tile {tile} needs num_stages >= 2"
-    if tile.num_warps not in (4, SPECIALIZED_WARPS):
-        return (f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup) or "
-                f"{SPECIALIZED_WARPS} (warp-specialised)")
-    # The warp-specialised kernels keep their output tile's shared memory beside the load ring (16-bit operands).
-    ring = tile.shared_bytes(2)
-    shared = ring + (2 * tile.block_m * tile.block_n if tile.num_warps == SPECIALIZED_WARPS else 0)
+    # The warp-specialised kernels keep their output tile's staging beside the load ring (16-bit operands).
+    shared = mosaic_shared_bytes(tile, 2) if specialized else tile.shared_bytes(2)
     if shared > SHARED_MEMORY_BYTES:
         return (f"the Mosaic GPU {kernel} tile {tile} needs {shared // 1024} KiB of shared memory (at most "
                 f"{SHARED_MEMORY_BYTES // 1024}); use fewer stages or smaller blocks")
@@ -171,7 +177,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
 
 def _row_kernel(tile: KernelTile):
-    return mosaic_specialized.row_block_matmul if tile.num_warps == SPECIALIZED_WARPS else _row_block_matmul
+    return mosaic_specialized.row_block_matmul if tile.num_warps in SPECIALIZED_WARPS else _row_block_matmul
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
@@ -189,7 +195,7 @@ def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int):
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
 def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     """dw [G, K, N] = x_g^T dy_g per group (zeros for empty groups), in x.dtype."""
-    kernel = mosaic_specialized.wgrad if tile.num_warps == SPECIALIZED_WARPS else _wgrad
+    kernel = mosaic_specialized.wgrad if tile.num_warps in SPECIALIZED_WARPS else _wgrad
     return kernel(x, dy, group_sizes, tile=tile, num_sms=num_sms)
 
 

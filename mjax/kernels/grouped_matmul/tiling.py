@@ -43,9 +43,10 @@ class KernelTile:
             value = getattr(self, name)
             if value < 16 or value % 16:
                 raise ValueError(f"KernelTile.{name}={value} must be a multiple of 16")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1 or self.group_m < 1:
-            raise ValueError(f"KernelTile {self}: num_warps must be a power of two <= 16, num_stages and group_m "
-                             ">= 1")
+        # 12: the Mosaic GPU kernels' memory warpgroup and two compute warpgroups (Triton takes powers of two).
+        if self.num_warps not in (1, 2, 4, 8, 12, 16) or self.num_stages < 1 or self.group_m < 1:
+            raise ValueError(f"KernelTile {self}: num_warps must be a power of two <= 16 or 12, num_stages and "
+                             "group_m >= 1")
 
     @classmethod
     def parse(cls, text: str) -> "KernelTile":
@@ -152,6 +153,8 @@ def kernel_tile_problem(kernel: str, tile: KernelTile, dtype, k: int, n: int) ->
             return f"the Triton {kernel} tile {tile} needs {field}={block} to be a power of two"
         if dim is not None and dim[1] % block:
             return f"the {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
+    if tile.num_warps & (tile.num_warps - 1):
+        return f"the Triton {kernel} tile {tile} needs num_warps to be a power of two"
     itemsize = jnp.dtype(dtype).itemsize
     if tile.shared_bytes(itemsize) > SHARED_MEMORY_BYTES:
         return (f"the {kernel} tile {tile} needs {tile.shared_bytes(itemsize) // 1024} KiB of shared memory for "
@@ -168,13 +171,35 @@ def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
     return None
 
 
-def default_mosaic_tiling(k: int, n: int, num_warps: int = 8) -> Tiling | None:
+MOSAIC_EPILOGUE_COLS = 64  # the column slices a warp-specialised output tile is staged in when it does not fit whole
+
+
+def mosaic_compute_warpgroups(tile: KernelTile) -> int:
+    """Compute warpgroups of a warp-specialised Mosaic GPU tile (num_warps 8 or 12): all but its memory warpgroup."""
+    return tile.num_warps // 4 - 1
+
+
+def mosaic_epilogue_cols(tile: KernelTile, itemsize: int) -> int:
+    """Columns of a compute warpgroup's accumulator a warp-specialised kernel stages in shared memory at once: all
+    of them when the whole output tile fits beside the load ring, else MOSAIC_EPILOGUE_COLS at a time."""
+    whole = tile.shared_bytes(itemsize) + tile.block_m * tile.block_n * itemsize <= SHARED_MEMORY_BYTES
+    return tile.block_n // mosaic_compute_warpgroups(tile) if whole else MOSAIC_EPILOGUE_COLS
+
+
+def mosaic_shared_bytes(tile: KernelTile, itemsize: int) -> int:
+    """A warp-specialised Mosaic GPU tile's shared memory: the load ring and every compute warpgroup's staging."""
+    staged = mosaic_compute_warpgroups(tile) * tile.block_m * mosaic_epilogue_cols(tile, itemsize) * itemsize
+    return tile.shared_bytes(itemsize) + staged
+
+
+def default_mosaic_tiling(k: int, n: int, specialized: bool = True) -> Tiling | None:
     """Tiles of the Mosaic GPU kernels (mosaic.py), None unless K and N are multiples of 64: 128-row tiles, 64 deep.
-    Forward and dgrad may end in a partial column tile: their width (at most 192 columns, what one warpgroup's
-    accumulator holds) maximises the columns used times the tile's operand reuse bn / (bm + bn); wgrad takes a width
-    that divides N. num_warps 8 (the default): the warp-specialised kernels, as many stages (at most 6) as fit
-    beside the output tile in shared memory, wgrad 128 columns wide first (6 stages); 4: one warpgroup, 4 stages,
-    wgrad as wide as divides. H200 measurements behind both: docs/moe.md."""
+    Forward and dgrad may end in a partial column tile: their width maximises the columns used times the tile's
+    operand reuse bn / (bm + bn). specialized (the default): the warp-specialised kernels, 256 columns wide on two
+    compute warpgroups (12 warps) or up to 192 on one (8 warps), with as many stages (at most 6) as fit beside the
+    output staging in shared memory; wgrad 128 columns wide first (6 stages; wider tiles leave a large group's
+    long tiles to fewer programs). Otherwise one warpgroup (4 warps, at most 192 columns), 4 stages, wgrad as wide
+    as divides. H200 measurements behind both: docs/moe.md."""
     if k % 64 or n % 64:
         return None
 
@@ -184,15 +209,18 @@ def default_mosaic_tiling(k: int, n: int, num_warps: int = 8) -> Tiling | None:
             bn = max(widths, key=lambda b: cols / (-(-cols // b) * b) * b / (bm + b))
         else:
             bn = next(b for b in widths if cols % b == 0)
-        if num_warps == 4:
+        if not specialized:
             return KernelTile(bm, bn, 64, num_warps=4, num_stages=4, group_m=4)
-        # The output tile's shared memory (16-bit) sits beside the load ring.
-        fits = [s for s in range(2, 7) if KernelTile(bm, bn, 64, 8, s).shared_bytes(2) + 2 * bm * bn
-                <= SHARED_MEMORY_BYTES]
-        return KernelTile(bm, bn, 64, num_warps=8, num_stages=fits[-1], group_m=4)
+        # One compute warpgroup stages its whole tile (deeper rings with sliced staging are unmeasured); two stage
+        # theirs in slices, which leaves room for 4 stages at 128 x 256.
+        warps = 12 if bn > 192 else 8
+        staging = (lambda t: mosaic_shared_bytes(t, 2)) if warps == 12 else (lambda t: t.shared_bytes(2) + 2 * bm * bn)
+        fits = [s for s in range(2, 7) if staging(KernelTile(bm, bn, 64, warps, s)) <= SHARED_MEMORY_BYTES]
+        return KernelTile(bm, bn, 64, num_warps=warps, num_stages=fits[-1], group_m=4)
 
-    wgrad_widths = (128, 192, 64) if num_warps == 8 else (192, 128, 64)
-    return Tiling(forward=tile(128, n, True, (192, 128, 64)), dgrad=tile(128, k, True, (192, 128, 64)),
+    rows_widths = (256, 192, 128, 64) if specialized else (192, 128, 64)
+    wgrad_widths = (128, 192, 64) if specialized else (192, 128, 64)
+    return Tiling(forward=tile(128, n, True, rows_widths), dgrad=tile(128, k, True, rows_widths),
                   wgrad=tile(k, n, False, wgrad_widths))
 
 
