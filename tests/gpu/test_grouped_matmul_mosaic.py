@@ -36,6 +36,9 @@ TILINGS = {
     # in a whole and a partial 192-column tile
     "specialized": Tiling(KernelTile(128, 128, 64, 8, 6, 4), KernelTile(128, 192, 64, 8, 4, 1),
                           KernelTile(128, 128, 64, 8, 6, 4)),
+    # one compute warpgroup staging its 192 columns in 64-column slices beside 5 stages
+    "sliced staging": Tiling(KernelTile(128, 192, 64, 8, 5, 4), KernelTile(128, 192, 64, 8, 5, 1),
+                             KernelTile(128, 128, 64, 8, 6, 4)),
     # two compute warpgroups (12 warps), each half the columns (at K=384, N=256): forward and wgrad stage their
     # output in 64-column slices beside 4 stages (the forward's 6 depth steps unchained); dgrad's 384 columns leave
     # the second warpgroup's half of the last tile past the array

@@ -112,6 +112,8 @@ def test_two_compute_warpgroup_tiles_lower():
     for kernel in ("forward", "dgrad", "wgrad"):
         assert mosaic_tile_problem(kernel, getattr(tiling, kernel), 384, 512) is None
     assert _mosaic_calls(1000, 384, 512, 3, jnp.bfloat16, tiling) == 3
+    sliced = KernelTile(128, 192, 64, 8, 5, 4)  # one compute warpgroup staging its output in 64-column slices
+    assert _mosaic_calls(1000, 384, 512, 3, jnp.bfloat16, Tiling(sliced, sliced, tiling.wgrad)) == 3
 
 
 def test_auto_takes_mosaic_on_hopper_for_the_calls_it_tiles_and_pallas_otherwise():

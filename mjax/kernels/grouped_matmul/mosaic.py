@@ -35,7 +35,7 @@ from mjax.kernels.grouped_matmul.tiling import (SHARED_MEMORY_BYTES, KernelTile,
                                                 mosaic_shared_bytes)
 
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
-# One warpgroup holds its float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 255 there are.
+# A warpgroup holds its float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 232-255 it has.
 MAX_TILE_ELEMENTS = 128 * 192
 SPECIALIZED_WARPS = (8, 12)  # tiles of these many warps run the warp-specialised kernels
 

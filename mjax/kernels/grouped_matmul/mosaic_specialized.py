@@ -20,7 +20,7 @@ from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges,
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import KernelTile, mosaic_compute_warpgroups, mosaic_epilogue_cols
 
-MEMORY_REGISTERS = 40  # the memory warpgroup only computes addresses; the compute one takes the rest
+MEMORY_REGISTERS = 40  # the memory warpgroup only computes addresses; the compute ones share the rest
 REGISTER_FILE = 512  # registers a thread if one warpgroup had the SM's 64 Ki alone
 
 
@@ -163,8 +163,10 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     the chunks of all of them as one sequence of steps; step s uses stage s % num_stages. The memory warpgroup
     loads step s once the compute warpgroups have released step s - num_stages (never waiting at a tile's end); a
     compute warpgroup releases a step once the wgmma after it is issued and the one reading it is done, and a
-    tile's last step after its final wgmma_wait. Each compute warpgroup masks the dy columns it multiplies, and
-    both mask all of x when they must (the same zeros written twice: no barrier between them)."""
+    tile's last step after its final wgmma_wait. Each compute warpgroup masks the dy columns it multiplies; both
+    mask all of x when they must, with no barrier between them: each rewrites every element of the tile with the
+    value it already holds or with zero, so whichever write lands, and whenever the other's wgmma reads, it reads
+    the bits it would have read alone."""
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
     bm, bn, bk, stages = tile.block_m, tile.block_n, tile.block_k, tile.num_stages

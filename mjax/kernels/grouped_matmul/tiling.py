@@ -176,6 +176,7 @@ MOSAIC_EPILOGUE_COLS = 64  # the column slices a warp-specialised output tile is
 
 def mosaic_compute_warpgroups(tile: KernelTile) -> int:
     """Compute warpgroups of a warp-specialised Mosaic GPU tile (num_warps 8 or 12): all but its memory warpgroup."""
+    assert tile.num_warps in (8, 12), tile
     return tile.num_warps // 4 - 1
 
 
