@@ -88,13 +88,24 @@ def test_forward_dgrad_and_wgrad_lower_for_cuda(dtype, rows):
     assert _mosaic_calls(rows, 320, 384, 5, dtype, tiling) == 3
 
 
-def test_chained_pipelines_lower():
+SLICED = KernelTile(128, 192, 64, 8, 5, 4)  # one compute warpgroup staging its output in 64-column slices
+
+
+@pytest.mark.parametrize("tiling, k, n", [
     # Warp-specialised; 8 and 12 depth steps of 64: multiples of the 4 stages (4 x 40 + 48 KiB of shared memory)
-    tiling = Tiling(KernelTile(128, 192, 64, 8, 4, 4), KernelTile(128, 192, 64, 8, 4, 4),
-                    KernelTile(128, 128, 64, 8, 6, 4))
+    (Tiling(KernelTile(128, 192, 64, 8, 4, 4), KernelTile(128, 192, 64, 8, 4, 4), KernelTile(128, 128, 64, 8, 6, 4)),
+     512, 768),
+    # two compute warpgroups. forward: 6 depth steps, chained over 3 stages, its whole 128 x 256 tile staged; dgrad:
+    # 384 columns, so the last tile's second warpgroup is past the array, 4 stages and 64-column staging slices;
+    # wgrad 64 columns each
+    (Tiling(KernelTile(128, 256, 64, 12, 3, 4), KernelTile(128, 256, 64, 12, 4, 2),
+            KernelTile(128, 128, 64, 12, 4, 4)), 384, 512),
+    (Tiling(SLICED, SLICED, KernelTile(128, 128, 64, 12, 4, 4)), 384, 512),
+], ids=["one compute warpgroup", "two compute warpgroups", "sliced staging"])
+def test_warp_specialised_tiles_lower(tiling, k, n):
     for kernel in ("forward", "dgrad", "wgrad"):
-        assert mosaic_tile_problem(kernel, getattr(tiling, kernel), 512, 768) is None
-    assert _mosaic_calls(1000, 512, 768, 3, jnp.bfloat16, tiling) == 3
+        assert mosaic_tile_problem(kernel, getattr(tiling, kernel), k, n) is None
+    assert _mosaic_calls(1000, k, n, 3, jnp.bfloat16, tiling) == 3
 
 
 @pytest.mark.parametrize("warps", [4, 8])  # one warpgroup; a memory and a compute warpgroup
@@ -102,18 +113,6 @@ def test_other_tiles_lower_too(warps):
     tiling = Tiling(KernelTile(64, 64, 64, warps, 3, 1), KernelTile(128, 64, 128, warps, 2, 2),
                     KernelTile(64, 128, 64, warps, 5, 8))
     assert _mosaic_calls(1000, 256, 128, 3, jnp.bfloat16, tiling) == 3
-
-
-def test_two_compute_warpgroup_tiles_lower():
-    # forward: 6 depth steps, chained over 3 stages, its whole 128 x 256 tile staged; dgrad: 384 columns, so the
-    # last tile's second warpgroup is past the array, 4 stages and 64-column staging slices; wgrad 64 columns each
-    tiling = Tiling(KernelTile(128, 256, 64, 12, 3, 4), KernelTile(128, 256, 64, 12, 4, 2),
-                    KernelTile(128, 128, 64, 12, 4, 4))
-    for kernel in ("forward", "dgrad", "wgrad"):
-        assert mosaic_tile_problem(kernel, getattr(tiling, kernel), 384, 512) is None
-    assert _mosaic_calls(1000, 384, 512, 3, jnp.bfloat16, tiling) == 3
-    sliced = KernelTile(128, 192, 64, 8, 5, 4)  # one compute warpgroup staging its output in 64-column slices
-    assert _mosaic_calls(1000, 384, 512, 3, jnp.bfloat16, Tiling(sliced, sliced, tiling.wgrad)) == 3
 
 
 def test_auto_takes_mosaic_on_hopper_for_the_calls_it_tiles_and_pallas_otherwise():
