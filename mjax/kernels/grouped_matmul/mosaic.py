@@ -31,13 +31,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mjax.kernels.grouped_matmul import mosaic_specialized
 from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
-from mjax.kernels.grouped_matmul.tiling import (SHARED_MEMORY_BYTES, KernelTile, Tiling, mosaic_compute_warpgroups,
-                                                mosaic_shared_bytes)
+from mjax.kernels.grouped_matmul.tiling import (MOSAIC_SPECIALIZED_WARPS, SHARED_MEMORY_BYTES, KernelTile, Tiling,
+                                                mosaic_compute_warpgroups, mosaic_shared_bytes)
 
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 # A warpgroup holds its float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 232-255 it has.
 MAX_TILE_ELEMENTS = 128 * 192
-SPECIALIZED_WARPS = (8, 12)  # tiles of these many warps run the warp-specialised kernels
 
 
 def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | None:
@@ -52,10 +51,10 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
             return f"the Mosaic GPU {kernel} kernel needs {dim[0]}={dim[1]} to be a multiple of {field}={block}"
     if tile.block_m % 64 or tile.block_n % 64 or tile.block_k % 64:
         return f"the Mosaic GPU {kernel} tile {tile} must have block_m, block_n and block_k multiples of 64 (wgmma)"
-    if tile.num_warps not in (4, *SPECIALIZED_WARPS):
+    if tile.num_warps not in (4, *MOSAIC_SPECIALIZED_WARPS):
         return (f"the Mosaic GPU {kernel} tile {tile} must have num_warps=4 (one warpgroup), 8 (warp-specialised) "
                 "or 12 (warp-specialised, two compute warpgroups)")
-    specialized = tile.num_warps in SPECIALIZED_WARPS
+    specialized = tile.num_warps in MOSAIC_SPECIALIZED_WARPS
     n_compute = mosaic_compute_warpgroups(tile) if specialized else 1
     if tile.block_n % (64 * n_compute):
         return (f"the Mosaic GPU {kernel} tile {tile} splits its columns between {n_compute} compute warpgroups: "
@@ -177,7 +176,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
 
 def _row_kernel(tile: KernelTile):
-    return mosaic_specialized.row_block_matmul if tile.num_warps in SPECIALIZED_WARPS else _row_block_matmul
+    return mosaic_specialized.row_block_matmul if tile.num_warps in MOSAIC_SPECIALIZED_WARPS else _row_block_matmul
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
@@ -195,7 +194,7 @@ def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int):
 @functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
 def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
     """dw [G, K, N] = x_g^T dy_g per group (zeros for empty groups), in x.dtype."""
-    kernel = mosaic_specialized.wgrad if tile.num_warps in SPECIALIZED_WARPS else _wgrad
+    kernel = mosaic_specialized.wgrad if tile.num_warps in MOSAIC_SPECIALIZED_WARPS else _wgrad
     return kernel(x, dy, group_sizes, tile=tile, num_sms=num_sms)
 
 

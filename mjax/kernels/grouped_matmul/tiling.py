@@ -172,11 +172,13 @@ def tiling_problem(tiling: Tiling, dtype, k: int, n: int) -> str | None:
 
 
 MOSAIC_EPILOGUE_COLS = 64  # the column slices a warp-specialised output tile is staged in when it does not fit whole
+MOSAIC_SPECIALIZED_WARPS = (8, 12)  # Mosaic GPU tiles of these many warps run the warp-specialised kernels
+MOSAIC_MIN_STAGES = 4  # fewer measured 10-15% slower at 128 x 256 (docs/moe.md); slicing the staging buys them
 
 
 def mosaic_compute_warpgroups(tile: KernelTile) -> int:
     """Compute warpgroups of a warp-specialised Mosaic GPU tile (num_warps 8 or 12): all but its memory warpgroup."""
-    assert tile.num_warps in (8, 12), tile
+    assert tile.num_warps in MOSAIC_SPECIALIZED_WARPS, tile
     return tile.num_warps // 4 - 1
 
 
@@ -212,12 +214,14 @@ def default_mosaic_tiling(k: int, n: int, specialized: bool = True) -> Tiling | 
             bn = next(b for b in widths if cols % b == 0)
         if not specialized:
             return KernelTile(bm, bn, 64, num_warps=4, num_stages=4, group_m=4)
-        # One compute warpgroup stages its whole tile (deeper rings with sliced staging are unmeasured); two stage
-        # theirs in slices, which leaves room for 4 stages at 128 x 256.
+        # As many stages as fit beside the whole output tile; where that is under MOSAIC_MIN_STAGES, as many as fit
+        # beside its staging slices (128 x 192 keeps 4 stages whole, 128 x 256 takes 4 sliced instead of 3 whole).
         warps = 12 if bn > 192 else 8
-        staging = (lambda t: mosaic_shared_bytes(t, 2)) if warps == 12 else (lambda t: t.shared_bytes(2) + 2 * bm * bn)
-        fits = [s for s in range(2, 7) if staging(KernelTile(bm, bn, 64, warps, s)) <= SHARED_MEMORY_BYTES]
-        return KernelTile(bm, bn, 64, num_warps=warps, num_stages=fits[-1], group_m=4)
+        tiles = [KernelTile(bm, bn, 64, num_warps=warps, num_stages=s, group_m=4) for s in range(2, 7)]
+        whole = [t for t in tiles if t.shared_bytes(2) + 2 * bm * bn <= SHARED_MEMORY_BYTES]
+        if whole and whole[-1].num_stages >= MOSAIC_MIN_STAGES:
+            return whole[-1]
+        return [t for t in tiles if mosaic_shared_bytes(t, 2) <= SHARED_MEMORY_BYTES][-1]
 
     rows_widths = (256, 192, 128, 64) if specialized else (192, 128, 64)
     wgrad_widths = (128, 192, 64) if specialized else (192, 128, 64)
