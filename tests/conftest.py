@@ -6,7 +6,8 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 # On CPU the tests' programs are tiny and run a few times each, so XLA's LLVM optimisation costs more than it saves
 # (most of the suite is compile time). Not on a GPU, whose kernels the gpu tests time. A flag the
 # caller sets in XLA_FLAGS comes later and wins.
-fast_compile = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+fast_compile = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_opt_preset=FAST_COMPILE", "--xla_cpu_emitter_verification_level=0"]
 # Collectives of 8 fake devices on 2 loaded cores can wait long for a starved device thread: XLA aborts the process
 # after 40 s in a rendezvous by default; wait ten minutes (a real deadlock still fails the test run).
 collective_timeouts = ["--xla_cpu_collective_call_terminate_timeout_seconds=600",
