@@ -3,6 +3,7 @@ routing in fp32, hf -> mjax -> hf bit for bit, KV-cache decoding and generation,
 of each kind and experts."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -26,6 +27,13 @@ from tests.helpers.numpy_reference import forward_hf
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
+def _fixture_model(name):
+    """load_pretrained of the HF fixture, once per module: the tests share its compiled forward (model(tokens) of
+    the reference tokens' shape)."""
+    return mjax.load_pretrained(FIXTURES / name)
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """name -> (mjax checkpoint dir, HF dir exported back with small shards)."""
@@ -36,7 +44,7 @@ def converted(tmp_path_factory):
 def test_hf_directory_and_converted_checkpoint_match_reference_logits(name, converted):
     ref = reference(name)
     for path in (FIXTURES / name, converted[name][0]):
-        model, _ = mjax.load_pretrained(path)
+        model, _ = _fixture_model(name) if path == FIXTURES / name else mjax.load_pretrained(path)
         logits = np.asarray(model(ref["tokens"]))
         np.testing.assert_allclose(logits, ref["logits"], atol=LOGITS_ATOL, rtol=0, err_msg=str(path))
         assert next_token_loss(logits, ref["tokens"]) == pytest.approx(float(ref["loss"]), abs=1e-5)
@@ -47,7 +55,7 @@ def test_every_moe_layer_routes_as_hf_does(name):
     """Per MoE layer (in HF layer order = the moe_layers stack order), the tokens each expert received equal those
     of HF's routing; the fixtures have no choice within float noise of a tie (make_hf_fixtures.py checks)."""
     ref = reference(name)
-    model, cfg = mjax.load_pretrained(FIXTURES / name)
+    model, cfg = _fixture_model(name)
     _, stats, _ = model.model_def.bind(model.params).forward(jnp.asarray(ref["tokens"]))
     got = np.asarray(stats["tokens_per_expert"])  # [MoE layers, E]
     want = np.stack([np.bincount(ids.reshape(-1), minlength=cfg.model.num_experts) for ids in ref["router_ids"]])
@@ -119,7 +127,7 @@ def test_stacks_follow_the_layer_kinds_and_experts_stack_in_order():
 @pytest.mark.parametrize("name", MOE_NAMES)
 def test_fixtures_are_sensitive_to_the_routing_normalisation(name):
     """The parity tests would catch a wrong norm_topk_prob translation: flipping it changes the logits."""
-    model, cfg = mjax.load_pretrained(FIXTURES / name)
+    model, cfg = _fixture_model(name)
     flipped = build_model(dataclasses.replace(cfg.model, moe_router_pre_softmax=not cfg.model.moe_router_pre_softmax))
     ref = reference(name)
     logits = np.asarray(flipped.apply(model.params, ref["tokens"]))[..., :cfg.model.vocab_size]
@@ -148,10 +156,13 @@ def test_mixtral_sliding_window_matches_the_numpy_reference(tmp_path):
 
 @pytest.mark.parametrize("name", MOE_NAMES)
 def test_cached_decoding_and_greedy_generation_equal_the_full_forward(name):
-    model, cfg = mjax.load_pretrained(FIXTURES / name)
+    """The full forwards are model(tokens) of one shape, compiled once: a causal model's logits at position i are
+    those of the prefix ending at i, so one forward of the generated sequence checks each greedy choice."""
+    model, cfg = _fixture_model(name)
     tokens = jnp.asarray(reference(name)["tokens"])
     b, t = tokens.shape
-    full = model.model_def.apply(model.params, tokens)  # [B, T, Vp]
+    vocab = cfg.model.vocab_size
+    full = model(tokens)  # [B, T, V]
     cache = init_cache(cfg.model, b, t)
     prompt = 10
     step = jax.jit(forward_with_cache, static_argnums=0)
@@ -161,13 +172,13 @@ def test_cached_decoding_and_greedy_generation_equal_the_full_forward(name):
     for i in range(prompt, t):
         logits, cache = step(model.model_def, model.params, tokens[:, i:i + 1], jnp.full((b, 1), i), cache)
         steps.append(logits)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1))[..., :vocab], np.asarray(full), atol=2e-5,
+                               rtol=0)
 
     new = np.asarray(generate(model.model_def, model.params, tokens[:, :6], 4))
-    seq = np.asarray(tokens[:, :6])
-    for _ in range(4):
-        seq = np.concatenate([seq, np.argmax(np.asarray(model(seq))[:, -1], -1)[:, None]], 1)
-    np.testing.assert_array_equal(new, seq[:, 6:])
+    seq = np.asarray(tokens).copy()
+    seq[:, 6:10] = new  # the prompt and the generated tokens, then tokens no logit below depends on
+    np.testing.assert_array_equal(new, np.argmax(np.asarray(model(seq))[:, 5:9], -1))
 
 
 def test_a_malformed_rule_is_refused_when_its_table_is_built():
