@@ -47,6 +47,14 @@ LAYOUTS = [
 ]
 
 
+# The layouts the test compiles (indexes into LAYOUTS, the table of docs/planner.md): every feature above, each
+# schedule and comm type, and each layout that exercises a term of its own. Left out, as each of their features is
+# in a kept layout: 0 and 1 (plain dp, none / selective at M = 1: 2 full M = 1, 5 and 16 none M = 1, 3 and 18 none,
+# 4, 6 and 21 selective), 7 (pp=2 1f1b, its inlined cool-down: 20 and 22 are pp=2 1F1B-family, 11 dense 1f1b), 12
+# (p2p: 15 dense, 21 MoE) and 17 (MoE ep=4, selective, M = 1: 19 and 20 ep=4, 21 selective, 16 M = 1; the experts'
+# dense expansion in a recomputed layer: 19 and 21).
+CHECKED = (2, 3, 4, 5, 6, 8, 9, 10, 11, 13, 14, 15, 16, 18, 19, 20, 21, 22)
+
 # Layouts (indexes into LAYOUTS) the model misses by more than TOLERANCE, with the error measured when they were
 # listed (docs/planner.md, "Accuracy"): none today. The test fails when one of them comes within TOLERANCE (move it
 # out of this set) or when any other layout leaves it.
@@ -70,12 +78,12 @@ def accuracy_rows(layouts=LAYOUTS):
     return rows
 
 
-def format_rows(rows) -> str:
+def format_rows(rows, indexes=None) -> str:
     lines = []
-    for name, predicted, got, seconds in rows:
+    for i, (name, predicted, got, seconds) in zip(indexes or range(len(rows)), rows):
         error = predicted.total / got["total"] - 1
         mib = {k: v / 2**20 for k, v in dataclasses.asdict(predicted).items()}
-        lines.append(f"{name:<70} predicted {predicted.total / 2**20:8.1f} MiB (act {mib['activations']:6.1f}, "
+        lines.append(f"{i:>2} {name:<70} predicted {predicted.total / 2**20:8.1f} MiB (act {mib['activations']:6.1f}, "
                      f"partial grads {mib['partial_grads']:5.1f}, transient {mib['transient']:5.1f}) "
                      f"XLA {got['total'] / 2**20:8.1f} MiB (temp {got['temporaries'] / 2**20:6.1f}) {error:+6.1%} "
                      f"[{seconds:.1f}s]")
@@ -84,16 +92,16 @@ def format_rows(rows) -> str:
 
 @pytest.mark.slow
 def test_predicted_memory_is_within_ten_percent_of_xla():
-    """One compile per layout (about 2 minutes on 2 cores); every miss is reported at once."""
-    rows = accuracy_rows()
-    misses = {i for i, r in enumerate(rows) if abs(r[1].total / r[2]["total"] - 1) > TOLERANCE}
+    """One compile per checked layout (about 2 minutes on 2 cores); every miss is reported at once."""
+    rows = accuracy_rows([LAYOUTS[i] for i in CHECKED])
+    misses = {i for i, r in zip(CHECKED, rows) if abs(r[1].total / r[2]["total"] - 1) > TOLERANCE}
     assert misses == set(KNOWN_MISSES), (
         f"layouts off by more than {TOLERANCE:.0%}: {sorted(misses)}, listed as known misses: "
-        f"{sorted(KNOWN_MISSES)}\n" + format_rows(rows))
+        f"{sorted(KNOWN_MISSES)}\n" + format_rows(rows, CHECKED))
 
 
 if __name__ == "__main__":  # the accuracy table (docs/planner.md): python -m tests.integration.test_plan_memory [i,j]
     import sys
 
-    picked = [LAYOUTS[int(i)] for i in sys.argv[1].split(",")] if len(sys.argv) > 1 else LAYOUTS
-    print(format_rows(accuracy_rows(picked)))
+    picked = [int(i) for i in sys.argv[1].split(",")] if len(sys.argv) > 1 else range(len(LAYOUTS))
+    print(format_rows(accuracy_rows([LAYOUTS[i] for i in picked]), list(picked)))
