@@ -2,6 +2,7 @@
 lower one, and the library never imports the tooling (benchmarks/, tools/, scripts/, tests/)."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +43,16 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _known() -> frozenset[str]:
+    """The modules of mjax/ (walked once: per file it made these tests quadratic in the package's size)."""
+    return frozenset(_module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
 def _imports(path: Path) -> set[str]:
     """Every module a file imports, at any depth (function-level imports count too). `from package import module`
     counts the module, not the package (whose __init__ runs, but holds only re-exports or nothing)."""
-    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    known = _known()
     tree, names = ast.parse(path.read_text()), set()
     package = _module_name(path).rsplit(".", 0 if path.name == "__init__.py" else 1)[0]
     for node in ast.walk(tree):
@@ -61,8 +68,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _mjax_modules(names: set[str]) -> set[str]:
-    known = {_module_name(p) for p in PACKAGE.rglob("*.py")}
-    return {n for n in names if n in known}
+    return names & _known()
 
 
 def test_no_lower_layer_imports_a_higher_one():
