@@ -1,6 +1,8 @@
 """FP4 emulation (NVFP4, MXFP4): quantize-dequantize against a NumPy/ml_dtypes oracle, the fused Pallas kernel
 (interpreted) against the reference, the round trip surviving XLA (HLO), the Hadamard transform, and gradients."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -26,6 +28,16 @@ def _np_fake_quant(x, recipe):
     return (q * s).reshape(x.shape)
 
 
+# Compiled as one program each: op by op, every one of their few hundred ops compiles on its own.
+_reference = jax.jit(fp4.fake_quant_reference, static_argnums=(1,), static_argnames=("stochastic",))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _forward_and_gradients(x, w, g, spec):
+    y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
+    return y, *vjp(g)
+
+
 def _data(shape=(32, 256), seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.standard_normal((shape[0], 1)) * 2)
@@ -37,7 +49,7 @@ def _data(shape=(32, 256), seed=0):
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_reference_matches_numpy(recipe):
     x = _data()
-    got = np.asarray(jax.jit(fp4.fake_quant_reference, static_argnums=1)(jnp.asarray(x), recipe))
+    got = np.asarray(_reference(jnp.asarray(x), recipe))
     np.testing.assert_allclose(got, _np_fake_quant(x, recipe), rtol=1e-6, atol=1e-30)
     grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
     if recipe == "mxfp4":  # every value is a grid point times its block's power-of-two scale
@@ -55,7 +67,7 @@ def test_e2m1_rounding_matches_ml_dtypes_cast():
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_pallas_fused_kernel_matches_reference(recipe):
     x = jnp.asarray(_data((48, 160), seed=1))  # 48 x 160 / block: blocks not a multiple of the kernel's rows
-    ref = fp4.fake_quant_reference(x, recipe)
+    ref = _reference(x, recipe)
     got = fake_quant_pallas(x, recipe=recipe, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-30)
 
@@ -108,8 +120,7 @@ def test_fp4_matmul_gemms_are_products_of_separately_quantized_operands(recipe, 
     w = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
     g = jnp.asarray(rng.standard_normal((32, 32)) * np.exp(rng.standard_normal((32, 1))), jnp.bfloat16)
     spec = fp4.Fp4Spec(recipe, hadamard, impl=impl, interpret=True)
-    y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
-    dx, dw = vjp(g)
+    y, dx, dw = _forward_and_gradients(x, w, g, spec)
 
     def q(a, axis):  # the oracle, blocks along `axis`
         a = np.asarray(a, np.float32)
@@ -138,7 +149,7 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
     v = jnp.asarray([0.1, 0.3, 0.75, 1.2, 1.9, 2.5, 2.25, 3.9, 4.5, 5.99, -2.75, -0.2, *grid, *-grid[1:]],
                     jnp.float32)
     u = (jnp.arange(4096, dtype=jnp.float32) + 0.5) / 4096
-    r = np.asarray(jax.vmap(lambda u: fp4.round_e2m1_stochastic(v, u))(u))  # [U, V]
+    r = np.asarray(jax.jit(jax.vmap(lambda u: fp4.round_e2m1_stochastic(v, u)))(u))  # [U, V]
     vn = np.asarray(v)
     lo = np.array([grid[grid <= abs(a)].max() for a in vn]) * np.sign(vn)
     hi = np.array([grid[grid >= abs(a)].min() for a in vn]) * np.sign(vn)
@@ -155,8 +166,8 @@ def test_stochastic_fake_quant_removes_the_rounding_bias():
         x = np.full((256, 128), value, np.float32)
         x[:, ::32] = 6.0
         x = jnp.asarray(x, jnp.bfloat16)
-        nearest = np.asarray(fp4.fake_quant_reference(x, "mxfp4"), np.float32)
-        sr = np.asarray(fp4.fake_quant_reference(x, "mxfp4", stochastic=True), np.float32)
+        nearest = np.asarray(_reference(x, "mxfp4"), np.float32)
+        sr = np.asarray(_reference(x, "mxfp4", stochastic=True), np.float32)
         rest = np.ones(x.shape, bool)
         rest[:, ::32] = False
         assert np.all(nearest[rest] == 2.0) and np.all(sr[~rest] == 6.0)
@@ -167,10 +178,10 @@ def test_stochastic_fake_quant_removes_the_rounding_bias():
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_stochastic_pallas_kernel_matches_reference_bitwise(recipe):
     x = jnp.asarray(_data((48, 256), seed=7), jnp.bfloat16)  # 48 rows: the kernel pads to whole programs
-    want = np.asarray(fp4.fake_quant_reference(x, recipe, stochastic=True), np.float32)
+    want = np.asarray(_reference(x, recipe, stochastic=True), np.float32)
     got = np.asarray(fake_quant_pallas(x, recipe=recipe, interpret=True, stochastic=True), np.float32)
     np.testing.assert_array_equal(got, want)
-    assert not np.array_equal(want, np.asarray(fp4.fake_quant_reference(x, recipe), np.float32))
+    assert not np.array_equal(want, np.asarray(_reference(x, recipe), np.float32))
 
 
 def test_stochastic_rounding_touches_only_the_output_gradient():
@@ -183,8 +194,7 @@ def test_stochastic_rounding_touches_only_the_output_gradient():
     out = {}
     for sr in (False, True):
         spec = fp4.Fp4Spec("nvfp4", stochastic=sr, impl="xla")
-        y, vjp = jax.vjp(lambda x, w: fp4.fp4_matmul(x, w, spec), x, w)
-        out[sr] = (np.asarray(y, np.float32), *(np.asarray(t, np.float32) for t in vjp(g)))
+        out[sr] = tuple(np.asarray(t, np.float32) for t in _forward_and_gradients(x, w, g, spec))
     np.testing.assert_array_equal(out[True][0], out[False][0])
     exact = (np.asarray(g, np.float32) @ np.asarray(w, np.float32).T,
              np.asarray(x, np.float32).T @ np.asarray(g, np.float32))
