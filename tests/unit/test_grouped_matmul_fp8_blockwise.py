@@ -8,6 +8,7 @@ Triton lowering for an H200. The dispatch, its errors and the benchmark: test_gr
 import functools
 
 import jax
+import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -21,10 +22,14 @@ from tests.helpers.gpu_lowering import assert_grouped_fwd_bwd_lowers
 from tests.unit.test_grouped_matmul import _tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+# The import above registers a jit-cache config option; imported lazily by the first interpreted pallas_call, it
+# changed every cache key once and recompiled every program compiled before it (here: `run`, ~4 s).
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 K, N, M = 256, 384, 300  # M ends inside a 128-row block (a ragged tail); two and three 128-deep steps
-TINY = Tiling.uniform(KernelTile(32, 128, 128))  # 32-row blocks: groups straddle and share them
+# 32-row blocks in the forward and dgrad: groups straddle and share them. wgrad tiles K (its rows walk in 128-row
+# pieces whatever its tile), two 128-column tiles of it: a quarter of the interpreted grid steps of 32.
+TINY = Tiling(KernelTile(32, 128, 128), KernelTile(32, 128, 128), KernelTile(128, 128, 128))
 CASES = {
     "ragged": [0, 70, 3, 0, 150, 35, 0],  # empty first, inside and last; starts inside 128-row blocks; 42 padding
     "aligned": [128, 0, 128, 0, 0, 0, 44],  # whole blocks (no cut piece) and a group ending in the tail
@@ -142,9 +147,14 @@ NS = (N, 128)  # two weights reading one x (the MoE gate and up projections)
 def make_inputs(sizes, dtype=jnp.float32, seed=0, batch=None):
     """x, ws, dys whose magnitudes change by orders across rows, 128-column blocks and 128x128 weight blocks (a
     scale on the wrong block is far off); NaN in the padding rows of x and dy, which must reach nothing."""
-    keys = jax.random.split(jax.random.key(seed), 8)
     lead = () if batch is None else (batch,)
     pad = np.arange(M)[:, None] >= np.asarray(sizes).sum(-1)[..., None, None]  # [..., M, 1]
+    return _random_inputs(seed, pad, dtype=jnp.dtype(dtype), lead=lead)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "lead"))  # one program, not some forty ops compiled apiece
+def _random_inputs(seed, pad, *, dtype, lead):
+    keys = jax.random.split(jax.random.key(seed), 8)
 
     def spread(key, shape):  # exp(N(0, 1.5)) per entry of `shape`
         return jnp.exp(1.5 * jax.random.normal(key, shape))
@@ -324,20 +334,19 @@ def test_vmap_over_dispatch_groups_pallas_equals_the_reference():
 FP8_ERROR = {"e4m3": (0.06, 0.08), "hybrid": (0.09, 0.12)}  # (per tensor, worst row)
 
 
+@jax.jit  # at module level: both formats compare with one compiled program
+def _bf16_grouped_gemm(x, ws, gs, dys):
+    ys, vjp = jax.vjp(lambda x, ws: tuple(grouped_matmul(x, w.astype(x.dtype), gs, impl="xla") for w in ws), x, ws)
+    return ys, *vjp(dys)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 def test_close_to_the_bf16_grouped_gemm_within_fp8_error(fmt):
     sizes = CASES["ragged"]
     x, ws, dys = make_inputs(sizes, jnp.bfloat16, seed=0)
     x0, cotangents = jnp.where(jnp.isnan(x), 0, x), tuple(jnp.where(jnp.isnan(d), 0, d) for d in dys)
     gs, total = jnp.asarray(sizes, jnp.int32), sum(sizes)
-
-    @jax.jit
-    def bf16(x, ws, dys):
-        ys, vjp = jax.vjp(lambda x, ws: tuple(grouped_matmul(x, w.astype(x.dtype), gs, impl="xla") for w in ws),
-                          x, ws)
-        return ys, *vjp(dys)
-
-    want = bf16(x0, ws, cotangents)
+    want = _bf16_grouped_gemm(x0, ws, gs, cotangents)
     got = run(x, ws, gs, dys, impl="xla", fmt=fmt)
     per_tensor, per_row = FP8_ERROR[fmt]
     for name, a, b in [("y", got[0][0], want[0][0]), ("y", got[0][1], want[0][1]), ("dx", got[1], want[1]),
