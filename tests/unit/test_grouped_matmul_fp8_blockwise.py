@@ -27,8 +27,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 K, N, M = 256, 384, 300  # M ends inside a 128-row block (a ragged tail); two and three 128-deep steps
-# 32-row blocks in the forward and dgrad: groups straddle and share them. wgrad tiles K (its rows walk in 128-row
-# pieces whatever its tile), two 128-column tiles of it: a quarter of the interpreted grid steps of 32.
+# 32-row blocks in the forward and dgrad: groups straddle and share them. wgrad's tile rows are K's (it walks M in
+# 128-row pieces whatever its tile): two tiles of 128, a quarter of the interpreted grid steps of 32-row ones.
 TINY = Tiling(KernelTile(32, 128, 128), KernelTile(32, 128, 128), KernelTile(128, 128, 128))
 CASES = {
     "ragged": [0, 70, 3, 0, 150, 35, 0],  # empty first, inside and last; starts inside 128-row blocks; 42 padding
