@@ -7,6 +7,7 @@ for an H200; the dispatch and its capability table."""
 import functools
 
 import jax
+import jax.experimental.pallas.fuser  # noqa: F401 (see below)
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -20,6 +21,8 @@ from tests.helpers.gpu_lowering import assert_grouped_fwd_bwd_lowers
 from tests.unit.test_grouped_matmul import _tolerance
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+# The import above registers a jit-cache config option; imported lazily by the first interpreted pallas_call, it
+# changed every cache key once and recompiled every program compiled before it.
 
 # 16-row blocks (groups straddle and share them), 32 deep: forward 2 depth steps over K, dgrad 3 over N; wgrad walks
 # 32-row chunks from unaligned group starts, and M = 60 ends inside a chunk.
@@ -99,12 +102,16 @@ def oracle(items, ws, metas, recipe, fmt):
 def make_inputs(sizes, dtype=jnp.float32, seed=0, batch=None):
     """x, ws, dys with NaN in the padding rows of x and dy (which must reach nothing); w scaled per expert, so that
     the per-expert weight scales differ."""
-    keys = jax.random.split(jax.random.key(seed), 2 + 2 * len(NS))
     lead = () if batch is None else (batch,)
     total = np.asarray(sizes).sum(-1)[..., None, None]  # [..., 1, 1]
     pad = np.arange(M)[:, None] >= total  # [..., M, 1]
+    return _random_inputs(seed, pad, dtype=jnp.dtype(dtype), lead=lead, groups=np.shape(sizes)[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "lead", "groups"))  # one program, not ~20 ops apiece
+def _random_inputs(seed, pad, *, dtype, lead, groups):
+    keys = jax.random.split(jax.random.key(seed), 2 + 2 * len(NS))
     x = jnp.where(pad, jnp.nan, 2 * jax.random.normal(keys[0], (*lead, M, K))).astype(dtype)
-    groups = np.shape(sizes)[-1]
     spread = jnp.logspace(-2, 1, groups)[:, None, None]  # expert g's weights ~ 10^(-2 + 3 g / (G - 1))
     ws = tuple(jax.random.normal(keys[1 + i], (groups, K, n)) * spread for i, n in enumerate(NS))
     dys = tuple(jnp.where(pad, jnp.nan, 1e-3 * jax.random.normal(keys[1 + len(NS) + i], (*lead, M, n))).astype(dtype)
