@@ -4,6 +4,8 @@ Oracles: a NumPy softmax attention over an explicitly built mask, and jax.grad o
 attention, which the blocks' gradients against the merged output and log-sum-exp must add up to.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,22 +69,35 @@ def test_traced_offset_matches_numpy(impl, window, segments):
     np.testing.assert_allclose(np.asarray(lse)[seen], ref_lse[seen], atol=2e-5)
 
 
+def _block_inputs(segments):
+    q, k, v, q_seg, kv_seg = _inputs(1)
+    do = np.random.default_rng(2).normal(size=(B, T, N, H)).astype(np.float32)
+    return q, k, v, do, ((q_seg, kv_seg) if segments else None)
+
+
+@functools.cache  # one compiled oracle per mask, shared by both impls
+def _whole(window, segments):
+    """The unsplit reference attention and the gradient of its sum against do, compiled as one program."""
+    q, k, v, do, seg = _block_inputs(segments)
+
+    @jax.jit
+    def whole(q, k, v):
+        attend = lambda q, k, v: reference_attention(q, k, v, causal=True, sliding_window=window,  # noqa: E731
+                                                     segment_ids=seg)
+        return attend(q, k, v), jax.grad(lambda *a: jnp.sum(attend(*a) * do), argnums=(0, 1, 2))(q, k, v)
+
+    return whole(q, k, v)
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("window,segments", [(None, False), (20, True)])
 def test_blocks_add_up_to_the_whole_gradient(impl, window, segments):
     """Keys split in two blocks [0, 16) and [16, 48): each block's forward (offset relative to its first key) merged
     by log-sum-exp is the whole attention, and the blocks' backward against the merged output sums to its grad."""
-    q, k, v, q_seg, kv_seg = _inputs(1)
-    rng = np.random.default_rng(2)
-    do = rng.normal(size=(B, T, N, H)).astype(np.float32)
+    q, k, v, do, seg = _block_inputs(segments)
     base = S - T  # the whole attention's offset: query i at key position i + 16
     cut = 16
-    seg = (q_seg, kv_seg) if segments else None
-
-    def whole(q, k, v):
-        return jnp.sum(reference_attention(q, k, v, causal=True, sliding_window=window, segment_ids=seg) * do)
-
-    grads = jax.grad(whole, argnums=(0, 1, 2))(q, k, v)
+    whole_out, grads = _whole(window, segments)
     blocks = [(0, cut), (cut, S)]
 
     @jax.jit
@@ -107,8 +122,7 @@ def test_blocks_add_up_to_the_whole_gradient(impl, window, segments):
         return out, dq, jnp.concatenate(dk, 1), jnp.concatenate(dv, 1)
 
     out, *block_grads = blockwise(q, k, v, do)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_attention(
-        q, k, v, causal=True, sliding_window=window, segment_ids=seg)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole_out), atol=2e-5)
     for got, want in zip(block_grads, grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-5)  # 8e-7 measured
 
