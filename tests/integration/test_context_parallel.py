@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mjax.train.loop import build, train
+from tests.helpers.compile_options import STEP_COMPILE
 from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, document_batches, initial_state, run_steps, tiny_config
 
@@ -39,9 +40,32 @@ def _config(parallel, steps=3, model=MODEL):
                        train=dict(train_iters=steps, seq_length=SEQ))
 
 
+_programs = {}
+
+
+def _program(parallel, devices, model=MODEL):
+    """(setup, compiled train step) of _config(parallel, model=model): compiled once in this module, for the runs
+    that compare a layout with one device and for the tests that read what its step moves (the compiled HLO).
+    -O1 (STEP_COMPILE) for every run alike: the pipelined steps run 3-4x faster than at -O0."""
+    key = (repr(parallel), len(devices), repr(model))
+    if key not in _programs:
+        setup = build(_config(parallel, model=model), devices)
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state,
+                             setup.state_sharding)
+        batch = setup.place_batch(next(document_batches(setup.cfg)))
+        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), batch)
+        _programs[key] = setup, setup.compile_step(state, batch, STEP_COMPILE)[0]
+    return _programs[key]
+
+
 def _run(parallel, devices, model=MODEL):
-    history, state = run_steps(_config(parallel, model=model), devices, batches=document_batches)
-    return [float(m["loss"]) for m in history], jax.device_get(state.params)
+    """(losses, params) after 3 steps of the train loop's step on document_batches (as train_utils.run_steps)."""
+    setup, step = _program(parallel, devices, model)
+    state, data, losses = initial_state(setup), document_batches(setup.cfg), []
+    for _ in range(setup.cfg.train.train_iters):
+        state, metrics = step(state, setup.place_batch(next(data)))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(state.params)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +116,11 @@ def test_fp8_takes_the_single_device_steps():
     assert_amaxes_match(steps)
 
 
+def _hlo(parallel, model=MODEL):
+    """The compiled step of a layout of the runs above on the 8 devices (SGD, batch 16), as HLO text."""
+    return _program(parallel, jax.devices(), model)[1].as_text()
+
+
 def _compiled(parallel, devices, seq=SEQ, batch=8, model=MODEL):
     cfg = tiny_config(parallel=parallel, model=model, data=DOCUMENTS,
                       train=dict(seq_length=seq, global_batch_size=batch))
@@ -125,7 +154,7 @@ def test_each_comm_type_moves_only_what_it_should(comm):
     """cp8 alone (no other axis splits anything, so every collective is context parallelism's or a gradient
     reduction): p2p moves K/V by collective-permute only; all_gather gathers only K/V ([.., seq, KV heads, head
     dim]) and segment ids; a2a exchanges by all-to-all. None gathers the residual stream or Q over the sequence."""
-    hlo = _compiled(dict(cp=8, cp_comm_type=comm), jax.devices()).as_text()
+    hlo = _hlo(LAYOUTS["cp8_p2p"] if comm == "p2p" else dict(cp=8, cp_comm_type=comm))  # p2p, all_gather: layouts'
     gathers, permutes, a2as = (_collectives(hlo, op) for op in ("all-gather", "collective-permute", "all-to-all"))
     head_dim = 64 // MODEL["num_attention_heads"]
     if comm == "p2p":
@@ -144,18 +173,19 @@ def test_each_comm_type_moves_only_what_it_should(comm):
 
 def test_moe_routes_only_each_ranks_own_tokens():
     """With expert parallelism a context-parallel rank routes and computes the experts of its own T / cp tokens:
-    cp2 x ep2 x dp2 (batch 8: 2 sequences per device of 128 tokens, top-2) moves all-to-all blocks of 512 rows,
-    never the 1024 of the whole sequences."""
-    hlo = _compiled(dict(cp=2, ep=2), jax.devices(), model=MOE).as_text()
+    cp2 x ep2 x dp2 (batch 16: 4 sequences per device of 128 tokens, top-2; test_moe_matches_single_device's
+    program) moves all-to-all blocks of 1024 rows, never the 2048 of the whole sequences."""
+    hlo = _hlo(dict(cp=2, ep=2), MOE)
     blocks = {s for d, s in _collectives(hlo, "all-to-all") if d == "f32" and s[-1] == 64}
-    assert (1, 512, 64) in blocks and (1, 1024, 64) not in blocks, blocks
+    assert (1, 1024, 64) in blocks and (1, 2048, 64) not in blocks, blocks
 
 
 def test_moe_without_ep_computes_only_each_ranks_own_tokens():
-    """cp2 x dp4, every expert local: a rank routes and computes the experts of its own T / cp tokens, so nothing
-    is gathered over the sequence (before, the dispatch groups split the batch only and each rank gathered its
-    sequences' residual stream, [2, 256, 64], and computed their whole expert work)."""
-    hlo = _compiled(dict(cp=2), jax.devices(), model=MOE).as_text()
+    """cp2 x dp4, every expert local (test_moe_matches_single_device's program): a rank routes and computes the
+    experts of its own T / cp tokens, so nothing is gathered over the sequence (before, the dispatch groups split
+    the batch only and each rank gathered its sequences' residual stream, [4, 256, 64] here, and computed their
+    whole expert work)."""
+    hlo = _hlo(dict(cp=2), MOE)
     assert not [s for d, s in _collectives(hlo, "all-gather") if d != "s32"], _collectives(hlo, "all-gather")
 
 

@@ -19,7 +19,7 @@ from mjax.parallel.token_dispatcher import TokenDispatcher
 from mjax.sharding import logical_sharding, single_device
 from mjax.train.loop import build, checkpointer, evaluate, train
 from mjax.train.step import make_eval_step
-from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
+from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
 # Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
@@ -47,11 +47,24 @@ def _sizes(parallel):
     return devices, int(np.prod([v for k, v in parallel.items() if k in ("dp", "fsdp", "ep")]))
 
 
+_programs = {}  # layout -> the compiled step its run took (the default model's)
+
+
 def _run(parallel, model=MOE, steps=2):
+    """train_utils.run_steps, keeping the default model's compiled steps for the HLO test."""
     devices, shards = _sizes(parallel)
     cfg = tiny_config(model=model, parallel=parallel, optimizer=SGD,
                       train=dict(train_iters=steps, global_batch_size=16, micro_batch_size=8 // shards))
-    history, state = run_steps(cfg, jax.devices()[:devices])
+    setup = build(cfg, jax.devices()[:devices])
+    state, data, history = initial_state(setup), pattern_batches(cfg), []
+    batch = setup.place_batch(next(data))
+    step, _ = setup.compile_step(state, batch, FAST_COMPILE)
+    if model is MOE:
+        _programs[tuple(sorted(parallel.items()))] = step
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        history.append(jax.device_get(metrics))
+        batch = setup.place_batch(next(data))
     return history, jax.device_get(state.params), state
 
 
@@ -99,11 +112,13 @@ def test_capacity_is_per_rank_as_under_data_parallelism():
                                   [r["moe_dropped_fraction"] for r in ref_history])
 
 
-def _compiled_step_hlo(parallel, devices):
-    cfg = tiny_config(model=MOE, parallel=parallel, train=dict(global_batch_size=16, micro_batch_size=1))
-    setup = build(cfg, jax.devices()[:devices])
-    compiled, _ = setup.compile_step(initial_state(setup), setup.place_batch(next(pattern_batches(cfg))))
-    return compiled.as_text()
+def _compiled_step_hlo(parallel):
+    """The HLO of the layout's compiled train step: its layout test's (or the single-device run's), else trained
+    here."""
+    key = tuple(sorted(parallel.items()))
+    if key not in _programs:
+        _single_device() if not parallel else _run(parallel)
+    return _programs[key].as_text()
 
 
 def _ops(hlo, op):
@@ -111,12 +126,12 @@ def _ops(hlo, op):
 
 
 def test_alltoall_step_moves_the_routed_rows_and_gathers_no_batch():
-    hlo = _compiled_step_hlo(dict(ep=4, dp=2), 8)
+    hlo = _compiled_step_hlo(LAYOUTS["ep2_dp4"])
     # One micro-batch sequence per device: n = 32 tokens, R = n * top-2 = 64 rows of D = 64, in blocks per rank.
     blocks = [line for line in _ops(hlo, "all-to-all") if "f32[1,64,64]" in line]
     assert len(blocks) >= 4, _ops(hlo, "all-to-all")  # dispatch and combine, forward and backward
     assert not _ops(hlo, "all-gather"), _ops(hlo, "all-gather")  # dp x ep without fsdp: nothing to gather
-    single = _compiled_step_hlo({}, 1)
+    single = _compiled_step_hlo({})
     for op in ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute"):
         assert not _ops(single, op), op
 

@@ -21,6 +21,7 @@ from mjax.sharding import single_device
 from mjax.train.optimizer import lr_schedule, make_optimizer
 from mjax.train.state import TrainState
 from mjax.train.step import make_train_step
+from tests.helpers.compile_options import STEP_COMPILE
 from tests.helpers.lockstep import assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, initial_state, pattern_batches, tiny_config
 
@@ -136,7 +137,8 @@ def runs():
         for _ in range(STEPS):
             batch = {k: v[None] for k, v in next(data).items()}  # [1 micro-batch, batch, seq]
             if step is None:
-                step = jax.jit(make_train_step(model, cfg, tx, schedule)).lower(state, batch).compile(FAST_COMPILE)
+                options = STEP_COMPILE if cfg.precision.fp8_recipe else FAST_COMPILE
+                step = jax.jit(make_train_step(model, cfg, tx, schedule)).lower(state, batch).compile(options)
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         out[name] = (cfg, model, state, np.array(losses), jax.device_get(metrics))

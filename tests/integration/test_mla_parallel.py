@@ -1,8 +1,12 @@
 """A small DeepSeek-V3-shaped model (MLA with q LoRA and YaRN, sigmoid-routed experts behind a dense layer) trains
-to the single-device losses and parameters under tensor, context, expert and pipeline parallelism (8 CPU devices),
-and with V3's router (expert bias, group-limited routing) under all three of pipeline, expert and tensor at once.
-Under the pipeline the dense first layer makes stage 0's dense/MoE pattern differ from the others': every stage runs
-the slots dense, MoE, MoE and skips the one it holds no layer for (mjax/parallel/pipeline_placement.py)."""
+to the single-device losses and parameters under tensor and pipeline parallelism (8 CPU devices), and with V3's
+router (expert bias, group-limited routing) under all three of pipeline, expert and tensor at once. Under the
+pipeline the dense first layer makes stage 0's dense/MoE pattern differ from the others': every stage runs the slots
+dense, MoE, MoE and skips the one it holds no layer for (mjax/parallel/pipeline_placement.py).
+
+The same model with the expert bias and an MTP depth runs context, expert x tensor and tensor + sequence parallelism
+(tests/integration/test_mtp_train.py: cp2_dp4, ep2_tp2_dp2, tp2_sp_dp4) and 1f1b x data x expert parallelism
+(tests/integration/test_mtp_pipeline.py: 1f1b_pp2_dp2_ep2)."""
 
 import jax
 import numpy as np
@@ -21,9 +25,9 @@ SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 # Same fp32 SGD steps as tests/integration/test_parallel.py: layouts move losses by ~1e-7; tolerances 10x and more.
 # DeepSeek-V3's router besides MODEL's sigmoid scores and shared expert: aux-loss-free expert bias, group-limited top-k.
 V3_ROUTER = dict(moe_router_enable_expert_bias=True, moe_router_num_groups=2, moe_router_group_topk=1)
-# layout: (parallel, model overrides, micro-batch size per data shard; None: the whole batch at once)
-LAYOUTS = {"tp2_dp4": (dict(tp=2), {}, None), "cp2_dp4": (dict(cp=2), {}, None),
-           "ep2_tp2_dp2": (dict(ep=2, tp=2), {}, None), "pp2_dp4": (dict(pp=2), {}, None),
+# layout: (parallel, model overrides, micro-batch size per data shard). tp2_dp4 runs 2 micro-batches of 8 as the
+# interleaved layout does: one single-device run serves both.
+LAYOUTS = {"tp2_dp4": (dict(tp=2), {}, 2),
            # mesh pipeline 2 x expert 2 x tensor 2 (data 1); 4 micro-batches of 2 sequences per expert rank, 1f1b
            "pp2_ep2_tp2_v3": (dict(pp=2, ep=2, tp=2), V3_ROUTER, 2),
            # one layer per virtual stage: virtual stage 0 dense, the other three MoE (slots dense, MoE)
@@ -48,7 +52,7 @@ def test_mla_layout_matches_single_device(layout):
     # One device runs the same micro-batches (the batch is split over data x expert ranks): the expert-bias update
     # and the gradient sums see the same sets of sequences.
     shards = jax.device_count() // int(np.prod([parallel.get(k, 1) for k in ("tp", "cp", "pp")]))
-    ref_micro = None if micro is None else micro * shards
+    ref_micro = micro * shards
     key = (tuple(sorted(model.items())), ref_micro)
     if key not in _REFERENCES:
         _REFERENCES[key] = _run({}, model, ref_micro, jax.devices()[:1])

@@ -2,7 +2,8 @@
 GPipe-order pipeline, or on the last stage inside the 1F1B and zero-bubble ticks), and every schedule gives the
 single-device losses, MTP losses and parameters, with context parallelism beside the pipeline too; a V3-shaped
 model (a dense first layer, MoE layers) with an MoE MTP block adds the same router metrics and moves its expert bias
-as on one device, with expert and tensor parallelism beside the pipeline."""
+as on one device, with expert and tensor parallelism beside the pipeline; delayed FP8 steps like one device with an
+MTP depth and uneven stages."""
 
 import jax
 import numpy as np
@@ -10,18 +11,16 @@ import pytest
 
 from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
 from tests.helpers.train_utils import FAST_COMPILE, document_batches, run_steps, tiny_config
+from tests.integration.test_mtp_train import MODEL as V3_2_LAYERS
 
 pytestmark = pytest.mark.slow  # compiles a training step per layout
 
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 DENSE = dict(num_layers=4, mtp_num_layers=1)
-# tests/integration/test_mtp_train.py's V3 shape: a dense first layer (stage 0 runs dense, MoE; the other MoE, MoE),
-# MoE layers and an MoE depth
-V3 = dict(num_layers=4, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
-          qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=12, num_experts=4, moe_router_topk=2,
-          moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_first_dense_layers=1,
-          moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
-          moe_aux_loss_coeff=0.01, mtp_num_layers=1)
+# tests/integration/test_mtp_train.py's V3 shape (MLA with YaRN, sigmoid routing with the expert bias) with 4 layers:
+# a dense first layer (stage 0 runs dense, MoE; the other MoE, MoE), MoE layers and an MoE depth. Also
+# tests/integration/test_mla_parallel.py's model (there without the bias and the depth) under 1f1b x data parallelism.
+V3 = dict(V3_2_LAYERS, num_layers=4)
 # layout: (parallel, micro-batch size per data shard). Dense: 16 sequences, 2 micro-batches of 8 over the data shards.
 DENSE_LAYOUTS = {
     "gpipe_pp2_fsdp2_tp2_sp": (dict(pp=2, fsdp=2, tp=2, sequence_parallel=True, pipeline_schedule="gpipe"), 4),
@@ -80,15 +79,19 @@ def test_moe_mtp_block_on_the_last_stage_matches_single_device(layout):
     assert np.abs(params["mtp"]["layers"]["block"]["mlp"]["router"]["expert_bias"]).max() > 0
 
 
-def test_fp8_mtp_depth_on_the_last_stage_steps_like_one_device():
-    """Delayed FP8 with an MTP depth over pp2 x tp2 (1f1b): the depth's linear layers, held by every pipeline device,
-    get their scales in the last stage's head and their amaxes back from it alone. Two steps in lockstep from the
-    single-device state, within test_pipeline.py's FP8 noise floor; the weights' amaxes exactly."""
+def test_fp8_mtp_depth_and_uneven_stages_step_like_one_device():
+    """Delayed FP8 with an MTP depth, 3 layers over pp2 x tp2 as (1, 2) (1f1b, Adam): the depth's linear layers, held
+    by every pipeline device, get their scales in the last stage's head and their amaxes back from it alone; every
+    layer's amaxes come back from the slot that runs it and nothing from device 0's masked slot (which runs a real
+    layer's weights). Two steps in lockstep from the single-device state, within test_pipeline.py's FP8 noise floor;
+    the weights' amaxes exactly."""
     def cfg(p):
-        return tiny_config(model=dict(num_layers=4, mtp_num_layers=1), parallel=p,
+        return tiny_config(model=dict(num_layers=3, mtp_num_layers=1), parallel=p,
                            train=dict(train_iters=2, micro_batch_size=2, seq_length=32),
                            precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
 
-    steps = lockstep(cfg({}), cfg(dict(pp=2, tp=2)), jax.devices()[:1], jax.devices(), compiler_options=FAST_COMPILE)
+    steps = lockstep(cfg({}), cfg(dict(pp=2, tp=2, decoder_first_pipeline_num_layers=1)), jax.devices()[:1],
+                     jax.devices(), compiler_options=FAST_COMPILE)
     assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
     assert_amaxes_match(steps)
+    assert {k for k in steps[0].want_amax if "mtp" in k}, list(steps[0].want_amax)  # the depth's layers are in it

@@ -1,8 +1,10 @@
-"""Multi-token prediction trains: a small DeepSeek-V3-shaped model with an MTP depth (MLA, sigmoid-routed experts with
-the expert bias) gives the single-device losses, MTP losses and parameters under context parallelism (the depth's
-token shift in the load-balanced order, packed documents), expert x tensor parallelism and tensor + sequence
-parallelism (8 CPU devices); a tiny MLA/MoE model trains from the command line with --mtp_num_layers=1, both losses
-falling; and delayed FP8 reaches the MTP layers."""
+"""Multi-token prediction trains: a small DeepSeek-V3-shaped model with an MTP depth (MLA with q LoRA and YaRN,
+sigmoid-routed experts with the expert bias behind a dense layer) gives the single-device losses, MTP losses and
+parameters under context parallelism (the depth's token shift in the load-balanced order, packed documents), expert x
+tensor parallelism and tensor + sequence parallelism (8 CPU devices); a tiny MLA/MoE model trains from the command
+line with --mtp_num_layers=1, both losses falling; and delayed FP8 reaches the MTP layers. The model is
+tests/integration/test_mla_parallel.py's with 2 layers, the expert bias and a depth: these layouts are its context
+and expert parallel cases too."""
 
 import json
 import subprocess
@@ -19,10 +21,12 @@ pytestmark = pytest.mark.slow  # compiles a training step per layout, and a comm
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = dict(num_layers=2, num_query_groups=None, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16,
-             qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=12, num_experts=4, moe_router_topk=2,
+             qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=12, rope_scaling="yarn", rope_scaling_factor=4.0,
+             rope_original_max_positions=8, rope_yarn_mscale_all_dim=1.0, num_experts=4, moe_router_topk=2,
              moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_first_dense_layers=1,
-             moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
-             moe_aux_loss_coeff=0.01, mtp_num_layers=1)
+             moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
+             moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05, moe_aux_loss_coeff=0.01,
+             mtp_num_layers=1)
 SGD = dict(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0)
 LAYOUTS = {"cp2_dp4": dict(cp=2), "ep2_tp2_dp2": dict(ep=2, tp=2),
            "tp2_sp_dp4": dict(tp=2, sequence_parallel=True)}

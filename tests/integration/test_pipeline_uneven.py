@@ -1,17 +1,19 @@
 """Uneven pipeline stages (8 CPU devices, 7 layers): each of Megatron's layout flags trains as one device does under
-gpipe, 1f1b and both interleaved schedules, the stored layers stay split over the pipeline devices, MoE and FP8
-layers see their masked slots dropped, and a checkpoint saved under an uneven split restores under pp=1 and under
-another split with the same eval loss, and continues there as on one device."""
+gpipe, 1f1b and both interleaved schedules, the stored layers stay split over the pipeline devices, MoE layers see
+their masked slots dropped, and a checkpoint saved under an uneven split restores under pp=1 and under another split
+with the same eval loss, and continues there as on one device. (FP8 layers' masked slots: with an MTP depth in
+tests/integration/test_mtp_pipeline.py.)"""
 
 import jax
 import numpy as np
 import pytest
 
 from mjax.config.pipeline_layout import stage_layout
+from mjax.config.validate import pipeline_schedule
+from mjax.parallel import pipeline
 from mjax.train.loop import build, checkpointer
-from tests.helpers.lockstep import assert_amaxes_match, assert_steps_close, lockstep
-from tests.helpers.train_utils import FAST_COMPILE, run_steps, tiny_config
-from tests.integration.test_pipeline import STEPS, SGD, _assert_same, _eval_sums, _train
+from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
+from tests.integration.test_pipeline import STEPS, SGD, _assert_same, _compiled_step, _eval_sums
 
 # Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
@@ -22,6 +24,33 @@ NUM_LAYERS = 7
 def _config(parallel=None, micro=None, **sections):
     return tiny_config(model=dict(num_layers=NUM_LAYERS), parallel=parallel or {}, optimizer=SGD,
                        train=dict(micro_batch_size=micro), **sections)
+
+
+_compiled = {}  # layout (a config without its checkpoint paths), devices -> its compiled step
+
+
+def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
+    """test_pipeline.py's _train (steps first+1..last; (losses, state, setup); the params after each step appended
+    to `snapshots`; the measured bubble checked against theory), compiling each layout once in this module: the
+    checkpoint test trains and continues on layouts the layout tests run."""
+    setup = build(cfg, devices)
+    state = initial_state(setup) if state is None else state
+    data = pattern_batches(cfg)
+    batches = [setup.place_batch(next(data)) for _ in range(last)][first:]
+    key = (cfg.replace(checkpoint=dict(save=None, load=None)), tuple(setup.mesh.devices.flat))
+    if key not in _compiled:
+        _compiled[key] = _compiled_step(cfg, setup, state, batches[0])
+    step, losses = _compiled[key], []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        if snapshots is not None:
+            snapshots.append(jax.device_get(state.params))
+    p = cfg.parallel
+    if p.pp > 1:
+        expected = pipeline.bubble_fraction(pipeline_schedule(p), p.pp, p.vpp, setup.micro_batches)
+        assert float(metrics["pipeline_bubble"]) == pytest.approx(expected, abs=1e-6)
+    return losses, state, setup
 
 
 @pytest.fixture(scope="module")
@@ -121,17 +150,3 @@ def test_uneven_moe_stages_match_single_device():
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0],
                             jax.tree.leaves(jax.device_get(ref_params))):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
-
-
-def test_fp8_uneven_stages_take_the_single_device_steps():
-    """Delayed FP8, 3 layers over pp2 x tp2 as (1, 2) (1f1b, Adam): every layer's amaxes come back from the slot that
-    runs it and nothing from device 0's masked slot (which runs a real layer's weights). Two steps in lockstep from
-    the single-device state, within test_pipeline's FP8 tolerances; the weights' amaxes exactly."""
-    def cfg(parallel):
-        return tiny_config(model=dict(num_layers=3), parallel=parallel, train=dict(train_iters=2, micro_batch_size=2),
-                           precision=dict(compute_dtype="bfloat16", fp8_recipe="delayed", fp8_amax_history_len=4))
-
-    steps = lockstep(cfg({}), cfg(dict(pp=2, tp=2, decoder_first_pipeline_num_layers=1)), jax.devices()[:1],
-                     jax.devices(), compiler_options=FAST_COMPILE)
-    assert_steps_close(steps, loss=5e-4, grad_norm=2e-2, grad=0.2)
-    assert_amaxes_match(steps)

@@ -153,9 +153,10 @@ def test_kept_fp8_operands_give_the_same_values_and_gradients(recipe):
     w = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
     meta = jnp.array([448 / 4, 448 / 4, 57344 / 4], jnp.float32)
     f = lambda x, w, m: jnp.sum(fp8_matmul(x, w, m, Fp8Spec(recipe=recipe)).astype(jnp.float32) ** 2)  # noqa: E731
-    ref = jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, meta)
-    kept = jax.value_and_grad(jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("fp8_cast")),
-                              argnums=(0, 1, 2))(x, w, meta)
+    ref = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, meta)
+    kept = jax.jit(jax.value_and_grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("fp8_cast")), argnums=(0, 1, 2)))(
+        x, w, meta)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(kept)):
         assert np.all(np.isfinite(np.asarray(b, np.float32)))
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -168,12 +169,16 @@ def test_amax_read_as_words_is_the_same_value(dtype):
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32) * jnp.logspace(-6, 4, 128)
     x = x.astype(dtype)
     tiny = jnp.finfo(dtype).smallest_subnormal
+    # all three reductions of a tensor in one program (op by op, each of their ops compiled on its own)
+    three = jax.jit(lambda t: (fp8.amax(t, words=True), fp8.amax(t), jnp.max(jnp.abs(t.astype(jnp.float32)))))
     for t in (x, -jnp.abs(x), jnp.full((4, 8), tiny, dtype), x.at[5, 7].set(-jnp.finfo(dtype).max),
               x.at[1, 2].set(-jnp.inf), jnp.zeros((2, 6), dtype)):
-        assert fp8.amax(t, words=True) == fp8.amax(t) == jnp.max(jnp.abs(t.astype(jnp.float32)))
-    assert jnp.isnan(fp8.amax(x.at[3, 3].set(jnp.nan), words=True))
+        words, plain, want = three(t)
+        assert words == plain == want
+    assert jnp.isnan(three(x.at[3, 3].set(jnp.nan))[0])
     odd = x[:, :5]  # an odd last dim has no words: the plain reduction
-    assert fp8.amax(odd, words=True) == jnp.max(jnp.abs(odd.astype(jnp.float32)))
+    words, _, want = three(odd)
+    assert words == want
     assert "uint32" in str(jax.make_jaxpr(lambda t: fp8.amax(t, words=True))(x))
 
 
@@ -193,9 +198,11 @@ def test_swiglu_gradient_amax_reads_the_words_its_backward_wrote(monkeypatch):
     x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.bfloat16)
     grads = jax.grad(lambda p, x: jnp.sum(nnx.merge(graph, p)(x).astype(jnp.float32) ** 2), argnums=(0, 1))
     assert len(re.findall(r"u32\[\] = reduce_max", str(jax.make_jaxpr(grads)(params, x)))) == 1
-    got = grads(params, x)
+    got = jax.jit(grads)(params, x)
     plain = fp8.amax
     monkeypatch.setattr(fp8, "amax", lambda t, words=False: plain(t))
-    want = grads(params, x)
+    patched = jax.jit(lambda p, x: grads(p, x))  # a new function: traced afresh, with the plain reduction
+    assert "u32[] = reduce_max" not in str(jax.make_jaxpr(patched)(params, x))
+    want = patched(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
