@@ -43,15 +43,22 @@ def _compiled_step(cfg, setup, state, batch):
         return step.lower(state, batch).compile(FAST_COMPILE)
 
 
+_compiled = {}  # layout (a config without its checkpoint paths), devices -> its compiled step
+
+
 def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
     """Steps first+1..last of the train loop's step on the synthetic batches; (losses, state, setup), and the params
-    after each step appended to `snapshots`. With pp > 1, also checks the bubble the step measured (useful (device,
-    slot) pairs counted at run time) against theory."""
+    after each step appended to `snapshots`. Each layout compiles once: the checkpoint tests train and continue on
+    layouts the layout tests run. With pp > 1, also checks the bubble the step measured (useful (device, slot) pairs
+    counted at run time) against theory."""
     setup = build(cfg, devices)
     state = initial_state(setup) if state is None else state
     data = pattern_batches(cfg)
     batches = [setup.place_batch(next(data)) for _ in range(last)][first:]
-    step, losses = _compiled_step(cfg, setup, state, batches[0]), []
+    key = (cfg.replace(checkpoint=dict(save=None, load=None)), tuple(setup.mesh.devices.flat))
+    if key not in _compiled:
+        _compiled[key] = _compiled_step(cfg, setup, state, batches[0])
+    step, losses = _compiled[key], []
     for batch in batches:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))

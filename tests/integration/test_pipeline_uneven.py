@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 
 from mjax.config.pipeline_layout import stage_layout
-from mjax.config.validate import pipeline_schedule
-from mjax.parallel import pipeline
 from mjax.train.loop import build, checkpointer
-from tests.helpers.train_utils import initial_state, pattern_batches, run_steps, tiny_config
-from tests.integration.test_pipeline import STEPS, SGD, _assert_same, _compiled_step, _eval_sums
+from tests.helpers.train_utils import run_steps, tiny_config
+from tests.integration.test_pipeline import STEPS, SGD, _assert_same, _eval_sums, _train
 
 # Training runs and compiled steps: the full suite (make test-all) only, not make test.
 pytestmark = pytest.mark.slow
@@ -24,33 +22,6 @@ NUM_LAYERS = 7
 def _config(parallel=None, micro=None, **sections):
     return tiny_config(model=dict(num_layers=NUM_LAYERS), parallel=parallel or {}, optimizer=SGD,
                        train=dict(micro_batch_size=micro), **sections)
-
-
-_compiled = {}  # layout (a config without its checkpoint paths), devices -> its compiled step
-
-
-def _train(cfg, devices=None, state=None, first=0, last=STEPS, snapshots=None):
-    """test_pipeline.py's _train (steps first+1..last; (losses, state, setup); the params after each step appended
-    to `snapshots`; the measured bubble checked against theory), compiling each layout once in this module: the
-    checkpoint test trains and continues on layouts the layout tests run."""
-    setup = build(cfg, devices)
-    state = initial_state(setup) if state is None else state
-    data = pattern_batches(cfg)
-    batches = [setup.place_batch(next(data)) for _ in range(last)][first:]
-    key = (cfg.replace(checkpoint=dict(save=None, load=None)), tuple(setup.mesh.devices.flat))
-    if key not in _compiled:
-        _compiled[key] = _compiled_step(cfg, setup, state, batches[0])
-    step, losses = _compiled[key], []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        if snapshots is not None:
-            snapshots.append(jax.device_get(state.params))
-    p = cfg.parallel
-    if p.pp > 1:
-        expected = pipeline.bubble_fraction(pipeline_schedule(p), p.pp, p.vpp, setup.micro_batches)
-        assert float(metrics["pipeline_bubble"]) == pytest.approx(expected, abs=1e-6)
-    return losses, state, setup
 
 
 @pytest.fixture(scope="module")
