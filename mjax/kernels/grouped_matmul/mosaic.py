@@ -28,11 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mjax.kernels.device import SHARED_MEMORY_BYTES
 from mjax.kernels.grouped_matmul import mosaic_specialized
 from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
-from mjax.kernels.grouped_matmul.tiling import (MOSAIC_SPECIALIZED_WARPS, SHARED_MEMORY_BYTES, KernelTile, Tiling,
-                                                mosaic_compute_warpgroups, mosaic_shared_bytes)
+from mjax.kernels.grouped_matmul.tiling import (MOSAIC_SPECIALIZED_WARPS, KernelTile, Tiling, mosaic_compute_warpgroups,
+                                                mosaic_shared_bytes)
 
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 # A warpgroup holds its float32 accumulator in registers: 128 x 192 is 192 registers a thread of the 232-255 it has.

@@ -13,14 +13,13 @@ import re
 
 import jax.numpy as jnp
 
+from mjax.kernels.device import SHARED_MEMORY_BYTES
+
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 # FP8 tensor-core instructions contract 32 elements at a time (mma k32, wgmma k32): depth steps of the FP8 kernels
 # are at least that.
 FP8_MIN_DEPTH = 32
-# Shared memory one thread block may use on H100/H200 (227 KiB); the pipelined loads hold num_stages copies of an
-# operand tile pair. A tile that needs more fails inside Triton's compiler with an opaque resource error.
-SHARED_MEMORY_BYTES = 227 * 1024
 
 _TILE_RE = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?$")
 
