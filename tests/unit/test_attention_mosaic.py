@@ -203,3 +203,35 @@ def test_gradient_under_remat_lowers_for_cuda():
                                                                                          jnp.bfloat16)] * 2
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+
+
+@pytest.mark.parametrize("num_sms,heads,tiles,batch", [
+    (132, 32, 32, 8),   # T=4096, B=8, 32 heads: 8192 items, 62 full rounds and a partial one
+    (132, 32, 16, 8),   # T=2048: rows of 3.9 rounds (a row's heavy start lands anywhere in a round)
+    (132, 8, 32, 4),    # 8 heads (GQA under tp=4)
+    (132, 4, 3, 5),     # fewer items than programs: some programs get none
+    (8, 4, 4, 2),       # 32 items: exactly four rounds
+    (7, 3, 5, 2),       # 30 items: an even number of full rounds and a partial one
+])
+def test_persistent_forward_deals_every_item_once_and_evenly(num_sms, heads, tiles, batch):
+    """The persistent forward's programs together visit each (tile, head, batch row) exactly once, one batch row
+    after another, the last row's tiles heaviest (causal) first; and no program's causal work (key blocks: tile + 1
+    per item) exceeds the mean by more than one heaviest item (the kernel takes as long as its busiest program)."""
+    from mjax.kernels.attention.mosaic_common import persistent_work, persistent_works  # noqa: PLC0415
+
+    n_works = heads * tiles * batch
+    seen, work = {}, []
+    for sm in range(num_sms):
+        count = int(persistent_works(jnp.int32(sm), n_works, num_sms))
+        items = [tuple(int(x) for x in persistent_work(jnp.int32(sm), jnp.int32(i), num_sms, heads, tiles, batch))
+                 for i in range(count)]
+        for i, item in enumerate(items):
+            assert item not in seen, (item, sm, seen.get(item))
+            seen[item] = i * num_sms + (sm if i % 2 == 0 else num_sms - 1 - sm)  # the item's place in the order
+        work.append(sum(tile + 1 for tile, _, _ in items))
+    assert sorted(seen) == [(t, h, r) for t in range(tiles) for h in range(heads) for r in range(batch)]
+    order = sorted(seen, key=seen.get)
+    assert [row for _, _, row in order] == sorted(row for _, _, row in order)  # one row after another
+    last_row = [tile for tile, _, row in order if row == batch - 1]
+    assert last_row == sorted(last_row, reverse=True)
+    assert max(work) <= np.mean(work) + tiles, (max(work), np.mean(work))

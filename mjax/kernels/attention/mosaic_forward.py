@@ -3,11 +3,17 @@ warpgroups of block_q query rows each and one memory warpgroup that streams K/V 
 swizzled shared-memory stages; wgmma for Q K^T and P V; the two compute warpgroups ping-pong on a schedule barrier
 so that one's softmax overlaps the other's matmuls.
 
-Grid (q heads, query tiles of 2 * block_q, batch), heaviest query tiles first. Each warpgroup reads its key-block
-runs from `ranges` [B, T / block_q, 4] = (lo, full_lo, full_hi, hi) (mosaic.py computes them from the mask):
-[lo, full_lo) and [full_hi, hi) are masked (position and segment mask), [full_lo, full_hi) needs no mask. The
-memory warpgroup loads the union of the two warpgroups' runs; a warpgroup steps through the union blocks outside
-its own runs without computing (it still waits and releases each stage, so barrier phases stay in step).
+Persistent: one program per SM works through its share of the (query tile of 2 * block_q rows, head, batch row)
+items (`persistent_work`: one batch row after another, dealt in a snake). The memory warpgroup keeps the K/V ring
+streaming from one item into the next, and the compute warpgroups load the next item's Q into a second buffer
+(where shared memory has room) while they work on this one, so the per-item prologue (Q load, ring fill) and
+epilogue (O store) overlap other work instead of idling the SM.
+
+Each warpgroup reads its key-block runs from `ranges` [B, T / block_q, 4] = (lo, full_lo, full_hi, hi) (mosaic.py
+computes them from the mask): [lo, full_lo) and [full_hi, hi) are masked (position and segment mask),
+[full_lo, full_hi) needs no mask. The memory warpgroup loads the union of the two warpgroups' runs; a warpgroup
+steps through the union blocks outside its own runs without computing (it still waits and releases each stage, so
+barrier phases stay in step).
 Writes out and the log-sum-exp [B, N, T] in natural log (0 and -inf for a row that sees no key).
 """
 
@@ -19,17 +25,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
-                                                  union_range, walk_union)
+from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, own_runs, persistent_work,
+                                                  persistent_works, position_mask, tile_transforms, union_range,
+                                                  walk_union)
+from mjax.kernels.device import SHARED_MEMORY_BYTES
 
 
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-             block_kv: int, stages: int):
+             block_kv: int, stages: int, num_sms: int):
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
-    dtype = q.dtype
+    dtype = jnp.dtype(q.dtype)
     n_tiles = t // (2 * block_q)
+    ring_bytes = 2 * stages * block_kv * h * dtype.itemsize
+    q_bytes = 2 * block_q * h * dtype.itemsize  # both warpgroups' Q (then O) tiles
+    q_buffers = 2 if ring_bytes + 2 * q_bytes <= SHARED_MEMORY_BYTES - 4096 else 1  # 4 KiB: LSE, barriers, alignment
     qk_scale = scale * LOG2E
     segments = mask.segments
 
@@ -41,38 +52,55 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             ranges_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:7]
             qseg_ref = kseg_ref = None
             scratch = refs[7:]
-        qo_smem2, k_smem, v_smem, lse_smem2, k_bar, v_bar, q_bar, k_free, v_free, sched = scratch
-        batch = lax.axis_index("batch")
-        q_head = lax.axis_index("heads")
-        tile = n_tiles - 1 - lax.axis_index("q_seq")  # heaviest (causal) tiles first
+        qo_smem4, k_smem, v_smem, lse_smem2, k_bar, v_bar, q_bar, k_free, v_free, sched = scratch
+        sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
-        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
-        n_steps = hi_all - lo_all
+        my_works = persistent_works(sm, n_tiles * n * b, num_sms)
+
+        def work(i):
+            """(tile, q head, batch row, key blocks [lo_all, hi_all)) of this program's i-th item."""
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b)
+            return tile, q_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
         def schedule_barrier():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+        def copy_q(i, buffer):
+            tile, q_head, batch, _, _ = work(i)
+            row0 = tile * (2 * block_q) + wg * block_q
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem4.at[buffer, wg],
+                                    q_bar.at[2 * buffer + wg])
+
+        def compute_work(i, base):
+            """One work item; base: how many K/V blocks this program streamed before it (the ring's position)."""
+            tile, q_head, batch, lo_all, hi_all = work(i)
+            if q_buffers == 2:
+                buffer = lax.rem(i, 2)
+
+                @pl.when(i + 1 < my_works)  # the next item's Q loads while this one runs
+                def _():
+                    copy_q(i + 1, 1 - buffer)
+            else:  # no room for a second buffer (head dim 256): Q loads here
+                buffer = 0
+                copy_q(i, buffer)
+            qo_smem, lse_smem = qo_smem4.at[buffer, wg], lse_smem2.at[wg]
             row0 = tile * (2 * block_q) + wg * block_q
             my_tile = 2 * tile + wg
             q_off = offset_ref[batch]
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem, q_bar.at[wg])
+
             q_ids = None
             if segments:  # segment ids are read from global memory straight into registers (L2-cached, small)
                 q_ids = plgpu.load(qseg_ref.at[batch, pl.ds(row0, block_q)], layout=plgpu.Layout.WGMMA.reduce(1),
                                    optimized=False)
-            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[2 * buffer + wg])
 
             m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((block_q, h), 0, jnp.float32), plgpu.Layout.WGMMA)
 
             def slot_of(j):
-                return lax.rem(j - lo_all, jnp.array(stages, jnp.int32))
+                return lax.rem(base + j - lo_all, jnp.array(stages, jnp.int32))
 
             def wait_next_k(j):  # K of the next block, waited while this block's P V runs
                 @pl.when(j + 1 < hi_all)
@@ -139,7 +167,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
             @pl.when(hi_all > lo_all)
             def _():
-                plgpu.barrier_wait(k_bar.at[0])
+                plgpu.barrier_wait(k_bar.at[slot_of(lo_all)])
 
             pl.when(wg == 1)(schedule_barrier)
             acc, m_i, l_i = walk_union(lo_all, hi_all, own_runs(ranges_ref, batch, my_tile), step, skip,
@@ -152,44 +180,60 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(row0, block_q), q_head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, q_head, pl.ds(row0, block_q)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers are written again by the next items
+            return base + hi_all - lo_all
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            if q_buffers == 2:
+                @pl.when(my_works > 0)
+                def _():
+                    copy_q(0, 0)
+
+            lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
 
-            def load_k(i, slot):
-                rows = (batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+            def memory_work(i, base):
+                _, q_head, batch, lo_all, hi_all = work(i)
+                kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
 
-            def load_v(i, slot):
-                rows = (batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head)
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+                @pl.loop(0, hi_all - lo_all)
+                def _(s):
+                    g = base + s  # the ring keeps streaming across work items; a stage is reused once released
+                    slot = lax.rem(g, jnp.array(stages, jnp.int32))
+                    rows = (batch, pl.ds((lo_all + s) * block_kv, block_kv), kv_head)
 
-            for i in range(stages):
-                @pl.when(i < n_steps)
-                def _(i=i):
-                    load_k(i, i)
-                    load_v(i, i)
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
 
-            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-            def _(i):
-                slot = lax.rem(i, jnp.array(stages, jnp.int32))
-                plgpu.barrier_wait(k_free.at[slot])
-                load_k(i + stages, slot)
-                plgpu.barrier_wait(v_free.at[slot])
-                load_v(i + stages, slot)
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+                return base + hi_all - lo_all
+
+            lax.fori_loop(0, my_works, memory_work, jnp.int32(0))
 
     transforms = tile_transforms()
     scratch = [
-        plgpu.SMEM((2, block_q, h), dtype, transforms=transforms),
+        plgpu.SMEM((q_buffers, 2, block_q, h), dtype, transforms=transforms),  # [buffer, warpgroup]: Q, then O
         plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, h), dtype, transforms=transforms),
         plgpu.SMEM((2, block_q), jnp.float32),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=2 * q_buffers),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
@@ -199,17 +243,17 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
         kernel,
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
         scratch_types=scratch,
-        grid=(n, n_tiles, b),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=(num_sms,),
+        grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages"))
+@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms"))
 def mosaic_forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-                   block_kv: int, stages: int):
+                   block_kv: int, stages: int, num_sms: int):
     """out [B,T,N,H], lse [B,N,T] of q [B,T,N,H], k/v [B,S,K,H] (T a multiple of 2 * block_q, S of block_kv)."""
     return _forward(ranges, offset, q_seg, kv_seg, q, k, v, mask=mask, scale=scale, block_q=block_q,
-                    block_kv=block_kv, stages=stages)
+                    block_kv=block_kv, stages=stages, num_sms=num_sms)
