@@ -10,7 +10,8 @@ run. One table and JSON.
    two backward kernels alone on a saved forward output and LSE, at T=4096, B=8, 32 query / 8 KV heads, head dim
    128, causal, bf16. The fastest forward and the fastest backward go into the table.
    On a Hopper GPU also the Mosaic kernels' blocks (the default and mosaic.MOSAIC_CANDIDATES, forward and
-   forward + backward, then the backward's two kernels and XLA's delta timed apart); --sweep_kernels picks which.
+   forward + backward, then the backward's two kernels and XLA's delta timed apart); --sweep_kernels picks which,
+   --mosaic_candidates which of MOSAIC_CANDIDATES the Mosaic sweep tries.
 2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
    (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
    then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
@@ -54,6 +55,8 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the 
 flags.DEFINE_bool("tune", True, "Sweep the block sizes first (--notune: the table uses the library's defaults).")
 flags.DEFINE_list("sweep_kernels", ["pallas", "mosaic"], "Kernels whose block sizes --tune sweeps (the others "
                   "use their defaults).")
+flags.DEFINE_list("mosaic_candidates", None, "Names of mosaic.MOSAIC_CANDIDATES the Mosaic sweep tries beside the "
+                  "default (unset: all).")
 flags.DEFINE_list("heads", ["32", "8", "128"], "Query heads, KV heads, head dim of every case.")
 flags.DEFINE_list("seqs", ["2048", "4096", "8192"], "Sequence lengths of the table.")
 flags.DEFINE_integer("tokens", 32768, "Batch * seq of each table row.")
@@ -138,7 +141,8 @@ def sweep_mosaic(heads, t, b, ceiling, rows):
     fastest backward (forward + backward minus forward) among the default and MOSAIC_CANDIDATES."""
     q, k, v, do = inputs(t, b, heads)
     flop = causal_flops(b, t, heads[0], heads[2])
-    candidates = {"default": default_mosaic_blocks(heads[2]), **MOSAIC_CANDIDATES}
+    names = MOSAIC_CANDIDATES if FLAGS.mosaic_candidates is None else FLAGS.mosaic_candidates
+    candidates = {"default": default_mosaic_blocks(heads[2]), **{name: MOSAIC_CANDIDATES[name] for name in names}}
     best = {"fwd": (float("inf"), None), "bwd": (float("inf"), None)}
     for name, cfg in candidates.items():
         fwd, fwd_bwd = attention_fns("mosaic", cfg, False)
@@ -281,6 +285,9 @@ def main():
     seqs = parse_seqs(FLAGS.seqs)
     if FLAGS.tokens < 1 or FLAGS.min_time_s <= 0:
         raise BadInput(f"--tokens={FLAGS.tokens} must be >= 1 and --min_time_s={FLAGS.min_time_s} > 0")
+    unknown = sorted(set(FLAGS.mosaic_candidates or ()) - set(MOSAIC_CANDIDATES))
+    if unknown:
+        raise BadInput(f"--mosaic_candidates: unknown {unknown}; known: {sorted(MOSAIC_CANDIDATES)}")
     if jax.default_backend() != "gpu" and not FLAGS.smoke:
         raise BadInput(f"no GPU (JAX backend {jax.default_backend()}): the kernels would run interpreted at "
                              "full size for hours; pass --smoke to check the script at toy sizes")

@@ -82,3 +82,13 @@ def test_smoke_run_prints_the_ceiling_and_writes_every_row(tmp_path):
             assert r[f"{prefix}tflops"] == pytest.approx(mult * flop / (r[f"{prefix}ms"] * 1e-3) / 1e12,
                                                          rel=1e-9)
             assert r[f"{prefix}of_ceiling"] == pytest.approx(r[f"{prefix}tflops"] / ceiling, rel=1e-9)
+
+
+def test_an_unknown_mosaic_candidate_is_one_line_naming_the_flag():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--mosaic_candidates=fwd-kv64-s3,nope"],
+                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("bench_attention: --mosaic_candidates: unknown ['nope']"), lines[-3:]
+    assert "Traceback" not in proc.stderr
