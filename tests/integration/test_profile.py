@@ -55,12 +55,14 @@ def test_hlo_text_gives_opcode_and_scope(compiled_step):
     assert dots and any("mlp" in name for _, name in dots) and any("attention" in name for _, name in dots)
 
 
-def test_gpu_kernel_names_map_to_kinds():
+def test_kernel_names_map_to_kinds():
     assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT") == "matmul"
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert kernel_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "collective"
     assert kernel_kind("loop_multiply_fusion_3") == "fusion/other"
     assert kernel_kind("custom-call.3", "custom-call") == "fusion/other"
+    assert kernel_kind("ynn_fusion.12", "fusion", "dot_general") == "matmul"  # XLA:CPU's library fusion of a dot
+    assert kernel_kind("loop_multiply_fusion", "fusion", "mul") == "fusion/other"
 
 
 def test_xla_options_reach_the_compiler(compiled_step):
