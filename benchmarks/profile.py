@@ -61,8 +61,9 @@ def _desc(table):
 
 
 def kernel_kind(name: str, hlo_opcode: str = "", primitive: str = "") -> str:
-    """The kind of work of a kernel (or CPU thunk) by its name, its HLO opcode, or the jax primitive its op_name
-    ends in: XLA:CPU runs dots inside library fusions (`ynn_fusion.12`, opcode `fusion`, op_name `.../dot_general`)."""
+    """The kind of work of a kernel (or CPU thunk) by its name, its HLO opcode, or (for a fusion) the jax primitive
+    its op_name ends in: XLA:CPU runs dots inside library fusions (`ynn_fusion.12`, opcode `fusion`, op_name
+    `.../dot_general`)."""
     for kind, pattern in _KERNEL_KINDS:
         if pattern.search(name) or pattern.search(hlo_opcode) or pattern.search(primitive):
             return kind
@@ -150,7 +151,8 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile
         elif len(unmatched) < 5:
             unmatched.setdefault(name, hlo_op)
         opcode, op_name = scopes.get(instruction, ("", ""))
-        kind, scope = kernel_kind(name, opcode, op_name.rsplit("/", 1)[-1]), scope_of(op_name)
+        primitive = op_name.rsplit("/", 1)[-1] if opcode == "fusion" else ""
+        kind, scope = kernel_kind(name, opcode, primitive), scope_of(op_name)
         op = f"{opcode} {'/'.join(op_name.split('/')[-2:])}"[:70]
         per_kernel[(name, kind, scope, op)][0] += ms
         per_kernel[(name, kind, scope, op)][1] += 1 / steps

@@ -41,10 +41,10 @@ def test_temporaries_against_1f1b(num):
     How much of the stash XLA's buffer assignment overlaps with 1F1B's own buffers is XLA's choice: ZB-H1 measured
     4.4 stage inputs more than 1F1B on jax 0.12.0, 0.5 on 0.12.1 (its XLA:CPU fuses dots into library calls) and
     7.0 on 0.12.1 without those fusions, at both M. The bound is the kept slots twice over, double-buffered by the
-    scan's carry, with room for that spread."""
+    scan's carry, with room for that spread; ZB-H1 never needs less than 1F1B."""
     (one_f, act), (zb, _) = _step_temp_bytes("1f1b", 2, num), _step_temp_bytes("zero_bubble", 2, num)
     kept = zero_bubble(2, num).kept
-    assert zb - one_f <= 4 * kept * act, (zb, one_f, act)
+    assert 0 <= zb - one_f <= 4 * kept * act, (zb, one_f, act)
 
 
 @pytest.mark.parametrize("sections, message", [

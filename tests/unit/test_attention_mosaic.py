@@ -205,33 +205,60 @@ def test_gradient_under_remat_lowers_for_cuda():
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
 
 
+def _deal(num_sms, heads, tiles, batch, order):
+    """{item: its place in the order} over every program's items, and each program's causal work (t + 1 blocks)."""
+    from mjax.kernels.attention.persistent import persistent_work, persistent_works  # noqa: PLC0415
+
+    places, work = {}, []
+    for sm in range(num_sms):
+        count = int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms))
+        items = [tuple(int(x) for x in persistent_work(jnp.int32(sm), jnp.int32(i), num_sms, heads, tiles, batch,
+                                                        order)) for i in range(count)]
+        for i, item in enumerate(items):
+            assert item not in places, (item, sm, places.get(item))
+            places[item] = i * num_sms + (sm if i % 2 == 0 else num_sms - 1 - sm)
+        work.append(sum(tile + 1 for tile, _, _ in items))
+    assert sorted(places) == [(t, h, r) for t in range(tiles) for h in range(heads) for r in range(batch)]
+    return places, np.array(work)
+
+
+@pytest.mark.parametrize("order", ["row", "tile"])
 @pytest.mark.parametrize("num_sms,heads,tiles,batch", [
     (132, 32, 32, 8),   # T=4096, B=8, 32 heads: 8192 items, 62 full rounds and a partial one
-    (132, 32, 16, 8),   # T=2048: rows of 3.9 rounds (a row's heavy start lands anywhere in a round)
-    (132, 8, 32, 4),    # 8 heads (GQA under tp=4)
+    (132, 4, 32, 8),    # 4 heads (32 under tp=8): the row order leaves one program 1.78x the mean
+    (114, 1, 16, 16),   # one head, 114 SMs: 2.1x
+    (132, 32, 16, 1),   # one row
     (132, 4, 3, 5),     # fewer items than programs: some programs get none
-    (8, 4, 4, 2),       # 32 items: exactly four rounds
     (7, 3, 5, 2),       # 30 items: an even number of full rounds and a partial one
 ])
-def test_persistent_forward_deals_every_item_once_and_evenly(num_sms, heads, tiles, batch):
-    """The persistent forward's programs together visit each (tile, head, batch row) exactly once, one batch row
-    after another, the last row's tiles heaviest (causal) first; and no program's causal work (key blocks: tile + 1
-    per item) exceeds the mean by more than one heaviest item (the kernel takes as long as its busiest program)."""
-    from mjax.kernels.attention.mosaic_common import persistent_work, persistent_works  # noqa: PLC0415
+def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, order):
+    """Each (tile, head, batch row) is dealt to exactly one program, heads fastest; the row order takes one row
+    after another, the last row's tiles heaviest (causal) first; the tile order takes tiles heaviest first and
+    keeps the busiest program's causal work within one heaviest item of the mean. program_loads, which picks the
+    order, counts the same work as the deal."""
+    from mjax.kernels.attention.persistent import program_loads  # noqa: PLC0415
 
-    n_works = heads * tiles * batch
-    seen, work = {}, []
-    for sm in range(num_sms):
-        count = int(persistent_works(jnp.int32(sm), n_works, num_sms))
-        items = [tuple(int(x) for x in persistent_work(jnp.int32(sm), jnp.int32(i), num_sms, heads, tiles, batch))
-                 for i in range(count)]
-        for i, item in enumerate(items):
-            assert item not in seen, (item, sm, seen.get(item))
-            seen[item] = i * num_sms + (sm if i % 2 == 0 else num_sms - 1 - sm)  # the item's place in the order
-        work.append(sum(tile + 1 for tile, _, _ in items))
-    assert sorted(seen) == [(t, h, r) for t in range(tiles) for h in range(heads) for r in range(batch)]
-    order = sorted(seen, key=seen.get)
-    assert [row for _, _, row in order] == sorted(row for _, _, row in order)  # one row after another
-    last_row = [tile for tile, _, row in order if row == batch - 1]
-    assert last_row == sorted(last_row, reverse=True)
-    assert max(work) <= np.mean(work) + tiles, (max(work), np.mean(work))
+    places, work = _deal(num_sms, heads, tiles, batch, order)
+    ordered = sorted(places, key=places.get)
+    assert [h for _, h, _ in ordered] == [w % heads for w in range(len(ordered))]
+    if order == "row":
+        assert [r for _, _, r in ordered] == sorted(r for _, _, r in ordered)
+        last_row = [t for t, _, r in ordered if r == batch - 1]
+        assert last_row == sorted(last_row, reverse=True)
+    else:
+        assert [t for t, _, _ in ordered] == sorted((t for t, _, _ in ordered), reverse=True)
+        assert work.max() <= work.mean() + tiles, (work.max(), work.mean())
+    np.testing.assert_array_equal(program_loads(num_sms, heads, tiles, batch, order, causal=True), work)
+
+
+@pytest.mark.parametrize("num_sms,heads,tiles,batch,order", [
+    (132, 32, 32, 8, "row"), (132, 32, 64, 4, "row"), (132, 32, 128, 2, "row"),  # the benchmark's causal shapes
+    (132, 4, 32, 8, "tile"), (114, 1, 16, 16, "tile"),  # where the row order's deal is uneven
+])
+def test_the_row_order_is_taken_only_where_its_deal_is_even(num_sms, heads, tiles, batch, order):
+    from mjax.kernels.attention.persistent import deal_order, program_loads  # noqa: PLC0415
+
+    assert deal_order(num_sms, heads, tiles, batch, causal=True) == order
+    row, tile = (program_loads(num_sms, heads, tiles, batch, o, causal=True) for o in ("row", "tile"))
+    assert row.max() <= 1.02 * row.mean() if order == "row" else row.max() > 1.2 * tile.max()
+    assert deal_order(num_sms, heads, tiles, batch, causal=False) == "row"  # equal items: both deals are alike

@@ -17,6 +17,7 @@ from mjax.kernels.attention.flash_common import LOG2E, MaskSpec, segment_block_b
 from mjax.kernels.attention.mosaic_backward import mosaic_dkv, mosaic_dq
 from mjax.kernels.attention.mosaic_common import MosaicMask
 from mjax.kernels.attention.mosaic_forward import mosaic_forward
+from mjax.kernels.attention.persistent import deal_order
 from mjax.kernels.device import sm_count
 
 HEAD_DIMS = (64, 128, 256)  # wgmma tiles of 64 columns; other head dims are zero-padded up to the next of these
@@ -151,8 +152,11 @@ def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, bl
     del interpret  # no interpreter: GPU only
     offsets = _offsets(spec, offset, q.shape[0])
     runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q, block_kv=blocks.block_kv, by_query=True)
+    (b, t, n, _), num_sms = q.shape, sm_count()
+    order = deal_order(num_sms, n, t // (2 * blocks.block_q), b, spec.causal)
     return mosaic_forward(runs, offsets, q_seg, kv_seg, q, k, v, mask=_mask(spec), scale=scale,
-                          block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages, num_sms=sm_count())
+                          block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages, num_sms=num_sms,
+                          order=order)
 
 
 def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=None, *, spec: MaskSpec,

@@ -69,23 +69,3 @@ def walk_union(lo_all, hi_all, own, step, skip, carry):
     carry = lax.fori_loop(cuts[2], cuts[3], lambda j, c: step(j, c, True), carry)
     return lax.fori_loop(cuts[3], hi_all, skip, carry)
 
-
-def persistent_works(sm, n_works: int, num_sms: int):
-    """How many of n_works items program sm takes when persistent_work deals them over num_sms programs."""
-    full, tail = divmod(n_works, num_sms)  # the last round holds `tail` items
-    last = sm if full % 2 == 0 else num_sms - 1 - sm  # the program's place in that round
-    return jnp.where(last < tail, full + 1, full)
-
-
-def persistent_work(sm, i, num_sms: int, n_heads: int, n_tiles: int, n_rows: int):
-    """(query tile, head, batch row) of program sm's i-th item of a persistent kernel's work.
-
-    Items are taken heads fastest (GQA siblings share K/V in L2), then a row's tiles, then rows (the programs running
-    at once read one row's K/V). The last row runs its tiles heaviest (causal) first and the rows before it
-    alternate, so the weights never jump at a row's end; rounds of num_sms items are dealt in a snake (forwards in
-    even rounds, backwards in odd ones), so no program takes the heaviest item of every round."""
-    w = i * num_sms + jnp.where(lax.rem(i, 2) == 0, sm, num_sms - 1 - sm)
-    row, rest = lax.div(w, n_heads * n_tiles), lax.rem(w, n_heads * n_tiles)
-    k = lax.div(rest, n_heads)  # the row's k-th tile in its order
-    tile = jnp.where(lax.rem(n_rows - 1 - row, 2) == 0, n_tiles - 1 - k, k)
-    return tile, lax.rem(rest, n_heads), row

@@ -4,10 +4,11 @@ swizzled shared-memory stages; wgmma for Q K^T and P V; the two compute warpgrou
 so that one's softmax overlaps the other's matmuls.
 
 Persistent: one program per SM works through its share of the (query tile of 2 * block_q rows, head, batch row)
-items (`persistent_work`: one batch row after another, dealt in a snake). The memory warpgroup keeps the K/V ring
-streaming from one item into the next, and the compute warpgroups load the next item's Q into a second buffer
-(where shared memory has room) while they work on this one, so the per-item prologue (Q load, ring fill) and
-epilogue (O store) overlap other work instead of idling the SM.
+items (persistent.py says in what order). The memory warpgroup keeps the K/V ring streaming from one item into
+the next, and the compute warpgroups load the next item's Q into a second buffer (where shared memory has room)
+while they work on this one, so an item's prologue (Q load, ring fill) overlaps the previous item's work instead
+of idling the SM; the O store's global writes overlap the next item too (only its shared-memory reads are
+waited for, as the buffers are reused).
 
 Each warpgroup reads its key-block runs from `ranges` [B, T / block_q, 4] = (lo, full_lo, full_hi, hi) (mosaic.py
 computes them from the mask): [lo, full_lo) and [full_hi, hi) are masked (position and segment mask),
@@ -25,14 +26,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, own_runs, persistent_work,
-                                                  persistent_works, position_mask, tile_transforms, union_range,
-                                                  walk_union)
+from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
+                                                  union_range, walk_union)
+from mjax.kernels.attention.persistent import persistent_work, persistent_works
 from mjax.kernels.device import SHARED_MEMORY_BYTES
 
 
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-             block_kv: int, stages: int, num_sms: int):
+             block_kv: int, stages: int, num_sms: int, order: str):
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -40,7 +41,8 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
     n_tiles = t // (2 * block_q)
     ring_bytes = 2 * stages * block_kv * h * dtype.itemsize
     q_bytes = 2 * block_q * h * dtype.itemsize  # both warpgroups' Q (then O) tiles
-    q_buffers = 2 if ring_bytes + 2 * q_bytes <= SHARED_MEMORY_BYTES - 4096 else 1  # 4 KiB: LSE, barriers, alignment
+    # 4 KiB for the rest: Pallas's reduction scratch (2 KiB, 1 KiB aligned), the LSE tiles and the barriers
+    q_buffers = 2 if ring_bytes + 2 * q_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
     qk_scale = scale * LOG2E
     segments = mask.segments
 
@@ -59,7 +61,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
         def work(i):
             """(tile, q head, batch row, key blocks [lo_all, hi_all)) of this program's i-th item."""
-            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
             return tile, q_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
         def schedule_barrier():
@@ -67,7 +69,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             plgpu.barrier_wait(sched)
 
         def copy_q(i, buffer):
-            tile, q_head, batch, _, _ = work(i)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
             row0 = tile * (2 * block_q) + wg * block_q
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem4.at[buffer, wg],
                                     q_bar.at[2 * buffer + wg])
@@ -251,9 +253,11 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
     )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms"))
+@functools.partial(jax.jit,
+                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order"))
 def mosaic_forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-                   block_kv: int, stages: int, num_sms: int):
-    """out [B,T,N,H], lse [B,N,T] of q [B,T,N,H], k/v [B,S,K,H] (T a multiple of 2 * block_q, S of block_kv)."""
+                   block_kv: int, stages: int, num_sms: int, order: str):
+    """out [B,T,N,H], lse [B,N,T] of q [B,T,N,H], k/v [B,S,K,H] (T a multiple of 2 * block_q, S of block_kv), on
+    num_sms programs dealing the items in `order` (persistent.py)."""
     return _forward(ranges, offset, q_seg, kv_seg, q, k, v, mask=mask, scale=scale, block_q=block_q,
-                    block_kv=block_kv, stages=stages, num_sms=num_sms)
+                    block_kv=block_kv, stages=stages, num_sms=num_sms, order=order)

@@ -155,6 +155,8 @@ def kernel_tile_problem(kernel: str, tile: KernelTile, dtype, k: int, n: int) ->
     if tile.num_warps & (tile.num_warps - 1):
         return f"the Triton {kernel} tile {tile} needs num_warps to be a power of two"
     itemsize = jnp.dtype(dtype).itemsize
+    # The pipelined loads hold num_stages copies of an operand tile pair; a tile that needs more shared memory than
+    # a block may use fails inside Triton's compiler with an opaque resource error.
     if tile.shared_bytes(itemsize) > SHARED_MEMORY_BYTES:
         return (f"the {kernel} tile {tile} needs {tile.shared_bytes(itemsize) // 1024} KiB of shared memory for "
                 f"{jnp.dtype(dtype).name} (at most {SHARED_MEMORY_BYTES // 1024}); use fewer stages or smaller blocks")

@@ -1,0 +1,62 @@
+"""How a persistent attention kernel deals its work items (query tile, head, batch row) over its programs, one per
+SM: program sm takes the items at places sm, 2S - 1 - sm, 2S + sm, ... of an order (a snake over rounds of S), so
+in a run of items that get lighter each round's heaviest item goes to a different program.
+
+Two orders, both heads fastest (GQA siblings share K/V in L2):
+- "row": one batch row after another (the programs running at once read one row's K/V; measured faster at long
+  sequences), the last row's tiles heaviest (causal) first and the rows before it alternating;
+- "tile": all rows' tiles together, heaviest first: the snake then keeps every program within one item of the
+  mean for any shape.
+`deal_order` takes "row" unless its deal leaves the busiest program clearly more work than "tile" would.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+ORDERS = ("row", "tile")
+ROW_ORDER_SLACK = 1.02  # how much more work the row order's busiest program may get than the tile order's
+
+
+def persistent_works(sm, n_works: int, num_sms: int):
+    """How many of n_works items program sm takes."""
+    full, tail = divmod(n_works, num_sms)  # the last round holds `tail` items
+    last = sm if full % 2 == 0 else num_sms - 1 - sm  # the program's place in that round
+    return jnp.where(last < tail, full + 1, full)
+
+
+def _place(sm, i, num_sms: int):
+    return i * num_sms + jnp.where(lax.rem(i, 2) == 0, sm, num_sms - 1 - sm)
+
+
+def persistent_work(sm, i, num_sms: int, n_heads: int, n_tiles: int, n_rows: int, order: str):
+    """(query tile, head, batch row) of program sm's i-th item."""
+    w = _place(sm, i, num_sms)
+    if order == "row":
+        row, rest = lax.div(w, n_heads * n_tiles), lax.rem(w, n_heads * n_tiles)
+        k = lax.div(rest, n_heads)  # the row's k-th tile in its order
+        tile = jnp.where(lax.rem(n_rows - 1 - row, 2) == 0, n_tiles - 1 - k, k)
+        return tile, lax.rem(rest, n_heads), row
+    k, rest = lax.div(w, n_heads * n_rows), lax.rem(w, n_heads * n_rows)
+    return n_tiles - 1 - k, lax.rem(rest, n_heads), lax.div(rest, n_heads)
+
+
+def program_loads(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, order: str, causal: bool) -> np.ndarray:
+    """[num_sms] the key blocks each program visits under the deal (a causal tile t: t + 1 blocks; else all equal)."""
+    w = np.arange(n_heads * n_tiles * n_rows)
+    rounds, pos = np.divmod(w, num_sms)
+    program = np.where(rounds % 2 == 0, pos, num_sms - 1 - pos)
+    if order == "row":
+        row, k = w // (n_heads * n_tiles), (w % (n_heads * n_tiles)) // n_heads
+        tile = np.where((n_rows - 1 - row) % 2 == 0, n_tiles - 1 - k, k)
+    else:
+        tile = n_tiles - 1 - w // (n_heads * n_rows)
+    loads = np.zeros(num_sms)
+    np.add.at(loads, program, tile + 1 if causal else 1)
+    return loads
+
+
+def deal_order(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, causal: bool) -> str:
+    """"row" unless its busiest program gets over ROW_ORDER_SLACK times the tile order's busiest program's work."""
+    row, tile = (program_loads(num_sms, n_heads, n_tiles, n_rows, order, causal).max() for order in ORDERS)
+    return "row" if row <= ROW_ORDER_SLACK * tile else "tile"
