@@ -68,4 +68,3 @@ def walk_union(lo_all, hi_all, own, step, skip, carry):
     carry = lax.fori_loop(cuts[1], cuts[2], lambda j, c: step(j, c, False), carry)
     carry = lax.fori_loop(cuts[2], cuts[3], lambda j, c: step(j, c, True), carry)
     return lax.fori_loop(cuts[3], hi_all, skip, carry)
-

@@ -12,7 +12,6 @@ Two orders, both heads fastest (GQA siblings share K/V in L2):
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 ORDERS = ("row", "tile")
 ROW_ORDER_SLACK = 1.02  # how much more work the row order's busiest program may get than the tile order's
@@ -25,32 +24,29 @@ def persistent_works(sm, n_works: int, num_sms: int):
     return jnp.where(last < tail, full + 1, full)
 
 
-def _place(sm, i, num_sms: int):
-    return i * num_sms + jnp.where(lax.rem(i, 2) == 0, sm, num_sms - 1 - sm)
+def _item_at(w, n_heads: int, n_tiles: int, n_rows: int, order: str, where):
+    """(query tile, head, batch row) at place w (>= 0) of the order: in the kernel (traced scalars, jnp.where) and
+    in program_loads (numpy arrays, np.where)."""
+    if order == "row":
+        row, rest = w // (n_heads * n_tiles), w % (n_heads * n_tiles)
+        k = rest // n_heads  # the row's k-th tile in its order
+        return where((n_rows - 1 - row) % 2 == 0, n_tiles - 1 - k, k), rest % n_heads, row
+    k, rest = w // (n_heads * n_rows), w % (n_heads * n_rows)
+    return n_tiles - 1 - k, rest % n_heads, rest // n_heads
 
 
 def persistent_work(sm, i, num_sms: int, n_heads: int, n_tiles: int, n_rows: int, order: str):
     """(query tile, head, batch row) of program sm's i-th item."""
-    w = _place(sm, i, num_sms)
-    if order == "row":
-        row, rest = lax.div(w, n_heads * n_tiles), lax.rem(w, n_heads * n_tiles)
-        k = lax.div(rest, n_heads)  # the row's k-th tile in its order
-        tile = jnp.where(lax.rem(n_rows - 1 - row, 2) == 0, n_tiles - 1 - k, k)
-        return tile, lax.rem(rest, n_heads), row
-    k, rest = lax.div(w, n_heads * n_rows), lax.rem(w, n_heads * n_rows)
-    return n_tiles - 1 - k, lax.rem(rest, n_heads), lax.div(rest, n_heads)
+    w = i * num_sms + jnp.where(i % 2 == 0, sm, num_sms - 1 - sm)
+    return _item_at(w, n_heads, n_tiles, n_rows, order, jnp.where)
 
 
 def program_loads(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, order: str, causal: bool) -> np.ndarray:
     """[num_sms] the key blocks each program visits under the deal (a causal tile t: t + 1 blocks; else all equal)."""
     w = np.arange(n_heads * n_tiles * n_rows)
     rounds, pos = np.divmod(w, num_sms)
-    program = np.where(rounds % 2 == 0, pos, num_sms - 1 - pos)
-    if order == "row":
-        row, k = w // (n_heads * n_tiles), (w % (n_heads * n_tiles)) // n_heads
-        tile = np.where((n_rows - 1 - row) % 2 == 0, n_tiles - 1 - k, k)
-    else:
-        tile = n_tiles - 1 - w // (n_heads * n_rows)
+    program = np.where(rounds % 2 == 0, pos, num_sms - 1 - pos)  # who takes place w (persistent_work's inverse)
+    tile, _, _ = _item_at(w, n_heads, n_tiles, n_rows, order, np.where)
     loads = np.zeros(num_sms)
     np.add.at(loads, program, tile + 1 if causal else 1)
     return loads
