@@ -14,8 +14,8 @@ collective_timeouts = ["--xla_cpu_collective_call_terminate_timeout_seconds=600"
                        "--xla_cpu_collective_timeout_seconds=600"]
 os.environ["XLA_FLAGS"] = " ".join([*(fast_compile if os.environ["JAX_PLATFORMS"] == "cpu" else []),
                                     os.environ.get("XLA_FLAGS", ""), *collective_timeouts]).strip()
-# GPU tests in several pytest-xdist processes (`-n N`, which cuts the compile-bound GPU checks' wall time) share one
-# GPU: each process takes its share of the memory instead of JAX's default 75%.
+# GPU tests in several pytest-xdist processes (`-n N`: the GPU checks compile in parallel) share one GPU: each
+# process takes its share of the memory instead of JAX's default 75%.
 if os.environ["JAX_PLATFORMS"] != "cpu" and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
                           f"{0.9 / int(os.environ['PYTEST_XDIST_WORKER_COUNT']):.3f}")
