@@ -175,8 +175,11 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
                           by_query=True)
+        (b, t, n, _), num_sms = q.shape, sm_count()
+        order = deal_order(num_sms, n, t // (2 * blocks.block_q_dq), b, spec.causal)
         return mosaic_dq(runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask, scale=scale,
-                         block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq)
+                         block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq,
+                         num_sms=num_sms, order=order)
 
     def dkv(lse2=None, dlt=None):
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)

@@ -2,7 +2,7 @@
 warpgroups over their own tiles of rows and one memory warpgroup streaming the other operand's blocks by TMA
 (the runs and the union walk of mosaic_common.py).
 
-    dq kernel   grid (q heads, query tiles, batch):  S = Q K^T, P = exp2(S c - lse2), dP = dO V^T,
+    dq kernel   persistent over (query tiles, q heads, batch):  S = Q K^T, P = exp2(S c - lse2), dP = dO V^T,
                 dS = P (dP - delta), dQ += dS K        (K, V streamed)
     dkv kernel  grid (KV heads, key tiles, batch):   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
                 dS^T = P^T (dP^T - delta), dK += dS^T Q (Q, dO, lse2, delta streamed for every query head of the
@@ -24,6 +24,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
                                                   union_range, walk_union)
+from mjax.kernels.attention.persistent import persistent_work, persistent_works
+from mjax.kernels.device import SHARED_MEMORY_BYTES
 
 WGMMA = plgpu.Layout.WGMMA
 ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along an accumulator's rows / columns
@@ -34,13 +36,20 @@ def _segment_ids(ref, batch, start, size, layout):
 
 
 def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
-        block_kv: int, stages: int):
+        block_kv: int, stages: int, num_sms: int, order: str):
+    """Persistent like the forward (mosaic_forward.py): one program per SM works through its (query tile, head, batch
+    row) items in `order`, the K/V ring streaming on from one item into the next and the next item's Q, dO, lse2
+    and delta loading into a second buffer (where shared memory has room) while this one runs."""
     b, t, n, h = q.shape
     groups = n // k.shape[2]
-    dtype = q.dtype
+    dtype = jnp.dtype(q.dtype)
     n_tiles = t // (2 * block_q)
     qk_scale = scale * LOG2E
     segments = mask.segments
+    ring_bytes = 2 * stages * block_kv * h * dtype.itemsize
+    item_bytes = 2 * 2 * block_q * h * dtype.itemsize  # both warpgroups' Q and dO tiles
+    # 4 KiB for the rest: Pallas's reduction scratch, the lse2 / delta tiles and the barriers
+    buffers = 2 if ring_bytes + 2 * item_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
 
     def kernel(*refs):
         n_in = 10 if segments else 8
@@ -49,31 +58,47 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
             ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         else:
             ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free = scratch
-        batch, q_head = lax.axis_index("batch"), lax.axis_index("heads")
-        tile = n_tiles - 1 - lax.axis_index("q_seq")
+        q_smem4, do_smem4, lse_smem4, delta_smem4, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free = scratch
+        sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
-        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
+        my_works = persistent_works(sm, n_tiles * n * b, num_sms)
 
-        def slot_of(j):
-            return lax.rem(j - lo_all, jnp.array(stages, jnp.int32))
+        def work(i):
+            """(tile, q head, batch row, key blocks [lo_all, hi_all)) of this program's i-th item."""
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            return tile, q_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        def copy_item(i, buffer):
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            rows = pl.ds(tile * (2 * block_q) + wg * block_q, block_q)
+            bar = q_bar.at[2 * buffer + wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem4.at[buffer, wg], bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem4.at[buffer, wg], bar)
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem4.at[buffer, wg], bar)
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem4.at[buffer, wg], bar)
+
+        def compute_work(i, base):
+            """One item; base: how many K/V blocks this program streamed before it (the ring's position)."""
+            tile, q_head, batch, lo_all, hi_all = work(i)
+            buffer = lax.rem(i, buffers)  # traced even for one buffer: the run_state scopes close over it
+            if buffers == 2:
+                @pl.when(i + 1 < my_works)  # the next item's operands load while this one runs
+                def _():
+                    copy_item(i + 1, 1 - buffer)
+            else:  # no room for a second buffer (head dim 256): the operands load here
+                copy_item(i, buffer)
+            q_smem, do_smem = q_smem4.at[buffer, wg], do_smem4.at[buffer, wg]
             row0 = tile * (2 * block_q) + wg * block_q
             rows = pl.ds(row0, block_q)
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem2.at[wg], q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem2.at[wg], q_bar.at[wg])
             q_ids = _segment_ids(qseg_ref, batch, row0, block_q, ROWS) if segments else None
             q_off = offset_ref[batch]
-            plgpu.barrier_wait(q_bar.at[wg])
-            lse = plgpu.load(lse_smem2.at[wg], layout=ROWS)
-            dlt = plgpu.load(delta_smem2.at[wg], layout=ROWS)
+            plgpu.barrier_wait(q_bar.at[2 * buffer + wg])
+            lse = plgpu.load(lse_smem4.at[buffer, wg], layout=ROWS)
+            dlt = plgpu.load(delta_smem4.at[buffer, wg], layout=ROWS)
             shape = (block_q, block_kv)
+
+            def slot_of(j):
+                return lax.rem(base + j - lo_all, jnp.array(stages, jnp.int32))
 
             def step(j, dq, masked: bool):
                 slot = slot_of(j)
@@ -120,41 +145,59 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
             q_smem[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, q_head])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is written again by a later item
+            return base + hi_all - lo_all
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            if buffers == 2:
+                @pl.when(my_works > 0)
+                def _():
+                    copy_item(0, 0)
+
+            lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
-            n_steps = hi_all - lo_all
 
-            def load(ref, smem, bar, i, slot):
-                plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds((lo_all + i) * block_kv, block_kv), kv_head],
-                                        smem.at[slot], bar.at[slot])
+            def memory_work(i, base):
+                _, q_head, batch, lo_all, hi_all = work(i)
+                kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
 
-            for i in range(stages):
-                @pl.when(i < n_steps)
-                def _(i=i):
-                    load(k_ref, k_smem, k_bar, i, i)
-                    load(v_ref, v_smem, v_bar, i, i)
+                @pl.loop(0, hi_all - lo_all)
+                def _(s):
+                    g = base + s  # the ring keeps streaming across items; a stage is reused once released
+                    slot = lax.rem(g, jnp.array(stages, jnp.int32))
+                    rows = (batch, pl.ds((lo_all + s) * block_kv, block_kv), kv_head)
 
-            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
-            def _(i):
-                slot = lax.rem(i, jnp.array(stages, jnp.int32))
-                plgpu.barrier_wait(k_free.at[slot])
-                load(k_ref, k_smem, k_bar, i + stages, slot)
-                plgpu.barrier_wait(v_free.at[slot])
-                load(v_ref, v_smem, v_bar, i + stages, slot)
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+                return base + hi_all - lo_all
+
+            lax.fori_loop(0, my_works, memory_work, jnp.int32(0))
 
     tf = tile_transforms()
     scratch = [
-        plgpu.SMEM((2, block_q, h), dtype, transforms=tf),
-        plgpu.SMEM((2, block_q, h), dtype, transforms=tf),
-        plgpu.SMEM((2, block_q), jnp.float32),
-        plgpu.SMEM((2, block_q), jnp.float32),
+        plgpu.SMEM((buffers, 2, block_q, h), dtype, transforms=tf),  # [buffer, warpgroup]: Q, then dQ
+        plgpu.SMEM((buffers, 2, block_q, h), dtype, transforms=tf),
+        plgpu.SMEM((buffers, 2, block_q), jnp.float32),
+        plgpu.SMEM((buffers, 2, block_q), jnp.float32),
         plgpu.SMEM((stages, block_kv, h), dtype, transforms=tf),
         plgpu.SMEM((stages, block_kv, h), dtype, transforms=tf),
-        plgpu.Barrier(num_arrivals=4, num_barriers=2),
+        plgpu.Barrier(num_arrivals=4, num_barriers=2 * buffers),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -163,7 +206,7 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
     segs = (q_seg, kv_seg) if segments else ()
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-        grid=(n, n_tiles, b), grid_names=("heads", "q_seq", "batch"), num_threads=3, thread_name="wg",
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(ranges, offset, *segs, q, k, v, do, lse2, delta)
 
@@ -338,11 +381,14 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
     )(ranges, offset, *segs, q, k, v, do, lse2, delta)
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages"))
-def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages):
-    """dq [B,T,N,H] (T a multiple of 2 * block_q, S of block_kv); ranges over key blocks per query tile."""
+@functools.partial(jax.jit,
+                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order"))
+def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
+              num_sms, order):
+    """dq [B,T,N,H] (T a multiple of 2 * block_q, S of block_kv); ranges over key blocks per query tile; num_sms
+    programs deal the items in `order` (persistent.py)."""
     return _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
-               block_kv=block_kv, stages=stages)
+               block_kv=block_kv, stages=stages, num_sms=num_sms, order=order)
 
 
 @functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "parts"))
