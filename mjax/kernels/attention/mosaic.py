@@ -185,9 +185,11 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                           by_query=False)
+        (b, s, kh, _), num_sms = k.shape, sm_count()
+        order = deal_order(num_sms, kh, s // (2 * blocks.block_kv_dkv), b, spec.causal)
         call = functools.partial(mosaic_dkv, runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask,
                                  scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
-                                 stages=blocks.stages_dkv)
+                                 stages=blocks.stages_dkv, num_sms=num_sms, order=order)
         if q.shape[-1] > 128:  # one [64, 256] float32 accumulator per warpgroup: dk and dv in two passes
             (dk,), (dv,) = call(parts=("dk",)), call(parts=("dv",))
             return dk, dv

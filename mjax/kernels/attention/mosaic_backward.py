@@ -4,7 +4,7 @@ warpgroups over their own tiles of rows and one memory warpgroup streaming the o
 
     dq kernel   persistent over (query tiles, q heads, batch):  S = Q K^T, P = exp2(S c - lse2), dP = dO V^T,
                 dS = P (dP - delta), dQ += dS K        (K, V streamed)
-    dkv kernel  grid (KV heads, key tiles, batch):   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
+    dkv kernel  persistent over (key tiles, KV heads, batch):   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T,
                 dS^T = P^T (dP^T - delta), dK += dS^T Q (Q, dO, lse2, delta streamed for every query head of the
                 KV head's group: GQA gradients are summed in registers, K/V never repeated)
 
@@ -212,15 +212,21 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
 
 
 def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
-         block_kv: int, stages: int, parts: tuple):
+         block_kv: int, stages: int, parts: tuple, num_sms: int, order: str):
+    """Persistent over (key tile, KV head, batch row) items like the dq kernel; the deal's tile order runs the
+    other way (a causal key tile t sees the queries from t on: the first tiles are the heaviest)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
-    dtype = q.dtype
+    dtype = jnp.dtype(q.dtype)
     n_tiles = s // (2 * block_kv)
     qk_scale = scale * LOG2E
     segments = mask.segments
     want_dk, want_dv = "dk" in parts, "dv" in parts
+    ring_bytes = 2 * stages * block_q * h * dtype.itemsize
+    item_bytes = 2 * 2 * block_kv * h * dtype.itemsize  # both warpgroups' K and V tiles
+    # 4 KiB for the rest: Pallas's reduction scratch, the lse2 / delta stages and the barriers
+    buffers = 2 if ring_bytes + 2 * item_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
 
     def kernel(*refs):
         n_in = 10 if segments else 8
@@ -231,30 +237,47 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
         else:
             ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         out_refs = dict(zip(parts, outs))
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem,
+        (k_smem4, v_smem4, q_smem, do_smem, lse_smem, delta_smem,
          kv_bar, q_bar, do_bar, q_free, do_free) = scratch
-        batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
-        tile = n_tiles - 1 - lax.axis_index("kv_seq")
+        sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
-        lo_all, hi_all = union_range(ranges_ref, batch, 2 * tile)
-        n_union = hi_all - lo_all
+        my_works = persistent_works(sm, n_tiles * kh * b, num_sms)
 
-        def slot_of(g, i):
-            return lax.rem(g * n_union + (i - lo_all), jnp.array(stages, jnp.int32))
+        def work(i):
+            """(key tile, KV head, batch row, query blocks [lo_all, hi_all)) of this program's i-th item."""
+            heavy_first, kv_head, batch = persistent_work(sm, i, num_sms, kh, n_tiles, b, order)
+            tile = n_tiles - 1 - heavy_first
+            return tile, kv_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            k_tile, v_tile = k_smem2.at[wg], v_smem2.at[wg]
+        def copy_item(i, buffer):
+            tile, kv_head, batch, _, _ = work(i)
+            rows = pl.ds(tile * (2 * block_kv) + wg * block_kv, block_kv)
+            bar = kv_bar.at[2 * buffer + wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem4.at[buffer, wg], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_smem4.at[buffer, wg], bar)
+
+        def compute_work(i, base):
+            """One item; base: how many query-side stages this program streamed before it (the ring's position)."""
+            tile, kv_head, batch, lo_all, hi_all = work(i)
+            n_union = hi_all - lo_all
+            buffer = lax.rem(i, buffers)  # traced even for one buffer: the run_state scopes close over it
+            if buffers == 2:
+                @pl.when(i + 1 < my_works)  # the next item's K/V load while this one runs
+                def _():
+                    copy_item(i + 1, 1 - buffer)
+            else:  # no room for a second buffer (head dim 256): K/V load here
+                copy_item(i, buffer)
+            k_tile, v_tile = k_smem4.at[buffer, wg], v_smem4.at[buffer, wg]
             key0 = tile * (2 * block_kv) + wg * block_kv
             rows = pl.ds(key0, block_kv)
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_tile, kv_bar.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, rows, kv_head], v_tile, kv_bar.at[wg])
             k_ids = _segment_ids(kseg_ref, batch, key0, block_kv, ROWS) if segments else None
             q_off = offset_ref[batch]
-            plgpu.barrier_wait(kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[2 * buffer + wg])
             shape = (block_kv, block_q)
             own = own_runs(ranges_ref, batch, 2 * tile + wg)
+
+            def slot_of(g, i):
+                return lax.rem(base + g * n_union + (i - lo_all), jnp.array(stages, jnp.int32))
 
             def head_steps(g, carry):
                 def step(i, carry, masked: bool):
@@ -331,42 +354,61 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                 plgpu.copy_smem_to_gmem(k_tile, out_refs["dk"].at[batch, rows, kv_head])
             if want_dv:
                 plgpu.copy_smem_to_gmem(v_tile, out_refs["dv"].at[batch, rows, kv_head])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers are written again by a later item
+            return base + groups * n_union
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            if buffers == 2:
+                @pl.when(my_works > 0)
+                def _():
+                    copy_item(0, 0)
+
+            lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            total = groups * n_union
-            per_head = jnp.maximum(n_union, 1)
 
-            def load(c, slot):
-                g, i = lax.div(c, per_head), lo_all + lax.rem(c, per_head)
-                q_head = kv_head * groups + g
-                rows = pl.ds(i * block_q, block_q)
-                plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem.at[slot], do_bar.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem.at[slot], do_bar.at[slot])
+            def memory_work(i, base):
+                _, kv_head, batch, lo_all, hi_all = work(i)
+                n_union = hi_all - lo_all
+                per_head = jnp.maximum(n_union, 1)
 
-            for c in range(stages):
-                pl.when(c < total)(functools.partial(load, jnp.int32(c), c))
+                @pl.loop(0, groups * n_union)
+                def _(c):
+                    g, blk = lax.div(c, per_head), lo_all + lax.rem(c, per_head)
+                    gc = base + c  # the ring keeps streaming across items; a stage is reused once released
+                    slot = lax.rem(gc, jnp.array(stages, jnp.int32))
 
-            @pl.loop(0, jnp.maximum(total - stages, 0))
-            def _(c):
-                slot = lax.rem(c, jnp.array(stages, jnp.int32))
-                plgpu.barrier_wait(q_free.at[slot])
-                plgpu.barrier_wait(do_free.at[slot])
-                load(c + stages, slot)
+                    @pl.when(gc >= stages)
+                    def _():
+                        plgpu.barrier_wait(q_free.at[slot])
+                        plgpu.barrier_wait(do_free.at[slot])
+
+                    q_head = kv_head * groups + g
+                    rows = pl.ds(blk * block_q, block_q)
+                    plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem.at[slot], q_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(lse_ref.at[batch, q_head, rows], lse_smem.at[slot], q_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_smem.at[slot], do_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(delta_ref.at[batch, q_head, rows], delta_smem.at[slot],
+                                            do_bar.at[slot])
+
+                return base + groups * n_union
+
+            lax.fori_loop(0, my_works, memory_work, jnp.int32(0))
 
     tf = tile_transforms()
     scratch = [
-        plgpu.SMEM((2, block_kv, h), dtype, transforms=tf),
-        plgpu.SMEM((2, block_kv, h), dtype, transforms=tf),
+        plgpu.SMEM((buffers, 2, block_kv, h), dtype, transforms=tf),  # [buffer, warpgroup]: K, then dK
+        plgpu.SMEM((buffers, 2, block_kv, h), dtype, transforms=tf),  # V, then dV
         plgpu.SMEM((stages, block_q, h), dtype, transforms=tf),
         plgpu.SMEM((stages, block_q, h), dtype, transforms=tf),
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.float32),
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=2 * buffers),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -376,7 +418,7 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in parts]
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch,
-        grid=(kh, n_tiles, b), grid_names=("heads", "kv_seq", "batch"), num_threads=3, thread_name="wg",
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(ranges, offset, *segs, q, k, v, do, lse2, delta)
 
@@ -391,10 +433,11 @@ def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, 
                block_kv=block_kv, stages=stages, num_sms=num_sms, order=order)
 
 
-@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "parts"))
+@functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "parts", "num_sms",
+                                             "order"))
 def mosaic_dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
-               parts=("dk", "dv")):
+               parts=("dk", "dv"), num_sms, order):
     """[dk, dv] (those `parts` names) [B,S,K,H] (S a multiple of 2 * block_kv, T of block_q); ranges over query
-    blocks per key tile."""
+    blocks per key tile; num_sms programs deal the items in `order` (persistent.py)."""
     return _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
-                block_kv=block_kv, stages=stages, parts=parts)
+                block_kv=block_kv, stages=stages, parts=parts, num_sms=num_sms, order=order)
