@@ -243,14 +243,18 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
         wg = lax.axis_index("wg")
         my_works = persistent_works(sm, n_tiles * kh * b, num_sms)
 
-        def work(i):
-            """(key tile, KV head, batch row, query blocks [lo_all, hi_all)) of this program's i-th item."""
+        def item(i):
+            """(key tile, KV head, batch row) of this program's i-th item."""
             heavy_first, kv_head, batch = persistent_work(sm, i, num_sms, kh, n_tiles, b, order)
-            tile = n_tiles - 1 - heavy_first
+            return n_tiles - 1 - heavy_first, kv_head, batch
+
+        def work(i):
+            """item(i) and the query blocks [lo_all, hi_all) its two key tiles visit."""
+            tile, kv_head, batch = item(i)
             return tile, kv_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
         def copy_item(i, buffer):
-            tile, kv_head, batch, _, _ = work(i)
+            tile, kv_head, batch = item(i)
             rows = pl.ds(tile * (2 * block_kv) + wg * block_kv, block_kv)
             bar = kv_bar.at[2 * buffer + wg]
             plgpu.copy_gmem_to_smem(k_ref.at[batch, rows, kv_head], k_smem4.at[buffer, wg], bar)
@@ -276,13 +280,13 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
             shape = (block_kv, block_q)
             own = own_runs(ranges_ref, batch, 2 * tile + wg)
 
-            def slot_of(g, i):
-                return lax.rem(base + g * n_union + (i - lo_all), jnp.array(stages, jnp.int32))
+            def slot_of(g, blk):
+                return lax.rem(base + g * n_union + (blk - lo_all), jnp.array(stages, jnp.int32))
 
             def head_steps(g, carry):
-                def step(i, carry, masked: bool):
+                def step(blk, carry, masked: bool):
                     dk, dv = carry
-                    slot = slot_of(g, i)
+                    slot = slot_of(g, blk)
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def st_scope(acc_ref):
@@ -295,9 +299,9 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                     if masked:
                         r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
                         c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-                        keep = position_mask(mask, c + (i * block_q + q_off), r + key0)
+                        keep = position_mask(mask, c + (blk * block_q + q_off), r + key0)
                         if segments:
-                            q_ids = _segment_ids(qseg_ref, batch, i * block_q, block_q, COLS)
+                            q_ids = _segment_ids(qseg_ref, batch, blk * block_q, block_q, COLS)
                             keep = keep & (lax.broadcast_in_dim(k_ids, shape, [0])
                                            == lax.broadcast_in_dim(q_ids, shape, [1]))
                         pt = jnp.where(keep, pt, 0.0)
@@ -333,8 +337,8 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                     plgpu.barrier_arrive(q_free.at[slot])
                     return dk, dv
 
-                def skip(i, carry):
-                    slot = slot_of(g, i)
+                def skip(blk, carry):
+                    slot = slot_of(g, blk)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_arrive(do_free.at[slot])
