@@ -307,27 +307,30 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                         pt = jnp.where(keep, pt, 0.0)
                     plgpu.barrier_wait(do_bar.at[slot])
                     if want_dk:
+                        # dP^T first, alone: P^T's float32 registers end with dS^T, before dV's and dK's
+                        # products are issued together, so at most dK, dV and two [64, 64] float32 tiles are live
                         zeros = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), WGMMA)
-                        if want_dv:
-                            def dv_dpt(refs):  # one wgmma wait for both products
-                                dv_ref, dpt_ref = refs
-                                plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-                                plgpu.wgmma(dpt_ref, v_tile, do_smem.at[slot].transpose((1, 0)))
 
-                            dv, dpt = pl.run_state(dv_dpt)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                        else:
-                            def dpt_scope(dpt_ref):
-                                plgpu.wgmma(dpt_ref, v_tile, do_smem.at[slot].transpose((1, 0)))
+                        def dpt_scope(dpt_ref):
+                            plgpu.wgmma(dpt_ref, v_tile, do_smem.at[slot].transpose((1, 0)))
 
-                            dpt = pl.run_state(dpt_scope)(plgpu.ACC.init(zeros))
+                        dpt = pl.run_state(dpt_scope)(plgpu.ACC.init(zeros))
                         dlt = plgpu.load(delta_smem.at[slot], layout=COLS)
+                        pt16 = pt.astype(dtype) if want_dv else None
+                        dst = (pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1]))).astype(dtype)
+                        if want_dv:
+                            def dv_dk(refs):  # one wgmma wait for both products
+                                dv_ref, dk_ref = refs
+                                plgpu.wgmma(dv_ref, pt16, do_smem.at[slot])
+                                plgpu.wgmma(dk_ref, dst, q_smem.at[slot])
+
+                            dv, dk = pl.run_state(dv_dk)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                        else:
+                            def dk_scope(acc_ref):
+                                plgpu.wgmma(acc_ref, dst, q_smem.at[slot])
+
+                            dk = pl.run_state(dk_scope)(plgpu.ACC.init(dk))
                         plgpu.barrier_arrive(do_free.at[slot])
-                        dst = pt * (dpt - lax.broadcast_in_dim(dlt, shape, [1]))
-
-                        def dk_scope(acc_ref):
-                            plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
-
-                        dk = pl.run_state(dk_scope)(plgpu.ACC.init(dk))
                     else:
                         def dv_scope(acc_ref):
                             plgpu.wgmma(acc_ref, pt.astype(dtype), do_smem.at[slot])
