@@ -22,8 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, own_runs, position_mask, tile_transforms,
-                                                  union_range, walk_union)
+from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, compute_items, own_runs, position_mask,
+                                                  stream_kv, tile_transforms, union_range, walk_union)
 from mjax.kernels.attention.persistent import persistent_work, persistent_works
 from mjax.kernels.device import SHARED_MEMORY_BYTES
 
@@ -148,46 +148,10 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer is written again by a later item
             return base + hi_all - lo_all
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            if buffers == 2:
-                @pl.when(my_works > 0)
-                def _():
-                    copy_item(0, 0)
+        pl.when(wg < 2)(lambda: compute_items(my_works, compute_work, copy_item, buffers))
 
-            lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def memory_work(i, base):
-                _, q_head, batch, lo_all, hi_all = work(i)
-                kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
-
-                @pl.loop(0, hi_all - lo_all)
-                def _(s):
-                    g = base + s  # the ring keeps streaming across items; a stage is reused once released
-                    slot = lax.rem(g, jnp.array(stages, jnp.int32))
-                    rows = (batch, pl.ds((lo_all + s) * block_kv, block_kv), kv_head)
-
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
-
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-                return base + hi_all - lo_all
-
-            lax.fori_loop(0, my_works, memory_work, jnp.int32(0))
+        pl.when(wg == 2)(lambda: stream_kv(my_works, work, groups, block_kv, stages, k_ref, v_ref, k_smem, v_smem,
+                                           k_bar, v_bar, k_free, v_free))
 
     tf = tile_transforms()
     scratch = [
@@ -364,16 +328,7 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers are written again by a later item
             return base + groups * n_union
 
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            if buffers == 2:
-                @pl.when(my_works > 0)
-                def _():
-                    copy_item(0, 0)
-
-            lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
+        pl.when(wg < 2)(lambda: compute_items(my_works, compute_work, copy_item, buffers))
 
         @pl.when(wg == 2)
         def _memory():

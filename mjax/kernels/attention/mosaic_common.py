@@ -1,5 +1,6 @@
 """Pieces the Mosaic GPU attention kernels share: static mask facts, the tile layout, the in-kernel position mask,
-and the walk over one warpgroup's runs of blocks inside the union its program streams.
+the walk over one warpgroup's runs of blocks inside the union its program streams, and the persistent kernels'
+loops over their items (compute warpgroups; the memory warpgroup's K/V ring).
 
 A program's two compute warpgroups each own a tile of rows and read its block runs from a `ranges` array
 (lo, full_lo, full_hi, hi): [lo, full_lo) and [full_hi, hi) masked, [full_lo, full_hi) unmasked. The memory
@@ -12,6 +13,7 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
@@ -68,3 +70,47 @@ def walk_union(lo_all, hi_all, own, step, skip, carry):
     carry = lax.fori_loop(cuts[1], cuts[2], lambda j, c: step(j, c, False), carry)
     carry = lax.fori_loop(cuts[2], cuts[3], lambda j, c: step(j, c, True), carry)
     return lax.fori_loop(cuts[3], hi_all, skip, carry)
+
+
+def compute_items(my_works, compute_work, copy_item, buffers: int):
+    """The compute warpgroups of a persistent kernel over their program's items: compute_work(i, ring position) ->
+    the next ring position; with two buffers the first item's operands load here and each item loads the next's."""
+    plgpu.set_max_registers(232, action="increase")
+    if buffers == 2:
+        pl.when(my_works > 0)(lambda: copy_item(0, 0))
+    lax.fori_loop(0, my_works, compute_work, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def stream_kv(my_works, work, groups: int, block_kv: int, stages: int, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar,
+              k_free, v_free):
+    """The memory warpgroup of a persistent kernel over query tiles: for each item (work(i) -> (tile, q head, batch
+    row, lo, hi)) the K/V blocks [lo, hi) of its KV head into the ring, which keeps streaming across items (a stage
+    is reloaded once both compute warpgroups released it)."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def item(i, base):
+        _, q_head, batch, lo, hi = work(i)
+        kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+
+        @pl.loop(0, hi - lo)
+        def _(s):
+            g = base + s
+            slot = lax.rem(g, jnp.array(stages, jnp.int32))
+            rows = (batch, pl.ds((lo + s) * block_kv, block_kv), kv_head)
+
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+        return base + hi - lo
+
+    lax.fori_loop(0, my_works, item, jnp.int32(0))
