@@ -1,6 +1,8 @@
-"""How a persistent attention kernel deals its work items (query tile, head, batch row) over its programs, one per
-SM: program sm takes the items at places sm, 2S - 1 - sm, 2S + sm, ... of an order (a snake over rounds of S), so
-in a run of items that get lighter each round's heaviest item goes to a different program.
+"""How a persistent attention kernel deals its work items (tile, head, batch row) over its programs, one per SM:
+program sm takes the items at places sm, 2S - 1 - sm, 2S + sm, ... of an order (a snake over rounds of S), so in a
+run of items that get lighter each round's heaviest item goes to a different program. The forward and dq kernels
+deal query tiles (under a causal mask the last is heaviest); the dk/dv kernel deals key tiles and reverses them,
+tile -> n_tiles - 1 - tile, as its first key tile is the heaviest.
 
 Two orders, both heads fastest (GQA siblings share K/V in L2):
 - "row": one batch row after another (the programs running at once read one row's K/V; measured faster at long
@@ -25,7 +27,7 @@ def persistent_works(sm, n_works: int, num_sms: int):
 
 
 def _item_at(w, n_heads: int, n_tiles: int, n_rows: int, order: str, where):
-    """(query tile, head, batch row) at place w (>= 0) of the order: in the kernel (traced scalars, jnp.where) and
+    """(tile, head, batch row) at place w (>= 0) of the order: in the kernel (traced scalars, jnp.where) and
     in program_loads (numpy arrays, np.where)."""
     if order == "row":
         row, rest = w // (n_heads * n_tiles), w % (n_heads * n_tiles)
@@ -36,7 +38,7 @@ def _item_at(w, n_heads: int, n_tiles: int, n_rows: int, order: str, where):
 
 
 def persistent_work(sm, i, num_sms: int, n_heads: int, n_tiles: int, n_rows: int, order: str):
-    """(query tile, head, batch row) of program sm's i-th item."""
+    """(tile, head, batch row) of program sm's i-th item."""
     w = i * num_sms + jnp.where(i % 2 == 0, sm, num_sms - 1 - sm)
     return _item_at(w, n_heads, n_tiles, n_rows, order, jnp.where)
 
