@@ -146,14 +146,20 @@ def block_runs(spec: MaskSpec, offsets, q_seg, kv_seg, *, block_q: int, block_kv
     return runs.astype(jnp.int32)
 
 
+def _deal(x, tile_rows: int, causal: bool):
+    """(programs, deal order) of a persistent kernel over the (tile of tile_rows rows, head, batch row) items of
+    x [B, L, heads, H]: one program per SM."""
+    (b, length, heads, _), num_sms = x.shape, sm_count()
+    return num_sms, deal_order(num_sms, heads, length // tile_rows, b, causal)
+
+
 def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, blocks: MosaicBlocks, scale: float,
                       interpret: bool):
     """The Mosaic forward on padded q [B,Tp,N,H], k/v [B,Sp,K,H] -> (out, lse [B,N,Tp] natural log)."""
     del interpret  # no interpreter: GPU only
     offsets = _offsets(spec, offset, q.shape[0])
     runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q, block_kv=blocks.block_kv, by_query=True)
-    (b, t, n, _), num_sms = q.shape, sm_count()
-    order = deal_order(num_sms, n, t // (2 * blocks.block_q), b, spec.causal)
+    num_sms, order = _deal(q, 2 * blocks.block_q, spec.causal)
     return mosaic_forward(runs, offsets, q_seg, kv_seg, q, k, v, mask=_mask(spec), scale=scale,
                           block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages, num_sms=num_sms,
                           order=order)
@@ -175,8 +181,7 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
                           by_query=True)
-        (b, t, n, _), num_sms = q.shape, sm_count()
-        order = deal_order(num_sms, n, t // (2 * blocks.block_q_dq), b, spec.causal)
+        num_sms, order = _deal(q, 2 * blocks.block_q_dq, spec.causal)
         return mosaic_dq(runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask, scale=scale,
                          block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq,
                          num_sms=num_sms, order=order)
@@ -185,8 +190,7 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                           by_query=False)
-        (b, s, kh, _), num_sms = k.shape, sm_count()
-        order = deal_order(num_sms, kh, s // (2 * blocks.block_kv_dkv), b, spec.causal)
+        num_sms, order = _deal(k, 2 * blocks.block_kv_dkv, spec.causal)
         call = functools.partial(mosaic_dkv, runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask,
                                  scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                                  stages=blocks.stages_dkv, num_sms=num_sms, order=order)

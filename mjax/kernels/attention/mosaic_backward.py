@@ -22,10 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, compute_items, own_runs, position_mask,
-                                                  stream_kv, tile_transforms, union_range, walk_union)
+from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, compute_items, item_buffers, own_runs,
+                                                  position_mask, stream_kv, tile_transforms, union_range,
+                                                  walk_union)
 from mjax.kernels.attention.persistent import persistent_work, persistent_works
-from mjax.kernels.device import SHARED_MEMORY_BYTES
 
 WGMMA = plgpu.Layout.WGMMA
 ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along an accumulator's rows / columns
@@ -48,8 +48,7 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
     segments = mask.segments
     ring_bytes = 2 * stages * block_kv * h * dtype.itemsize
     item_bytes = 2 * 2 * block_q * h * dtype.itemsize  # both warpgroups' Q and dO tiles
-    # 4 KiB for the rest: Pallas's reduction scratch, the lse2 / delta tiles and the barriers
-    buffers = 2 if ring_bytes + 2 * item_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
+    buffers = item_buffers(ring_bytes, item_bytes)
 
     def kernel(*refs):
         n_in = 10 if segments else 8
@@ -189,8 +188,7 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
     want_dk, want_dv = "dk" in parts, "dv" in parts
     ring_bytes = 2 * stages * block_q * h * dtype.itemsize
     item_bytes = 2 * 2 * block_kv * h * dtype.itemsize  # both warpgroups' K and V tiles
-    # 4 KiB for the rest: Pallas's reduction scratch, the lse2 / delta stages and the barriers
-    buffers = 2 if ring_bytes + 2 * item_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
+    buffers = item_buffers(ring_bytes, item_bytes)
 
     def kernel(*refs):
         n_in = 10 if segments else 8

@@ -16,6 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mjax.kernels.device import SHARED_MEMORY_BYTES
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -33,6 +35,13 @@ class MosaicMask:
 def tile_transforms():
     """Swizzled layout of a [rows, 64k] tile of a 16-bit dtype: 128-byte rows, the widest swizzle."""
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def item_buffers(ring_bytes: int, item_bytes: int) -> int:
+    """How many buffers of a persistent kernel's per-item operands fit beside its streamed ring: 2 (the next item's
+    load while this one runs) or 1. 4 KiB stay for the rest: Pallas's reduction scratch (2 KiB, 1 KiB aligned), the
+    small per-row tiles and the barriers."""
+    return 2 if ring_bytes + 2 * item_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
 
 
 def position_mask(mask: MosaicMask, q_pos, k_pos):

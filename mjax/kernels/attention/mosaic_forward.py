@@ -26,10 +26,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, compute_items, own_runs, position_mask,
-                                                  stream_kv, tile_transforms, union_range, walk_union)
+from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, compute_items, item_buffers, own_runs,
+                                                  position_mask, stream_kv, tile_transforms, union_range,
+                                                  walk_union)
 from mjax.kernels.attention.persistent import persistent_work, persistent_works
-from mjax.kernels.device import SHARED_MEMORY_BYTES
 
 
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
@@ -41,8 +41,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
     n_tiles = t // (2 * block_q)
     ring_bytes = 2 * stages * block_kv * h * dtype.itemsize
     q_bytes = 2 * block_q * h * dtype.itemsize  # both warpgroups' Q (then O) tiles
-    # 4 KiB for the rest: Pallas's reduction scratch (2 KiB, 1 KiB aligned), the LSE tiles and the barriers
-    q_buffers = 2 if ring_bytes + 2 * q_bytes <= SHARED_MEMORY_BYTES - 4096 else 1
+    q_buffers = item_buffers(ring_bytes, q_bytes)
     qk_scale = scale * LOG2E
     segments = mask.segments
 
