@@ -206,20 +206,20 @@ def test_gradient_under_remat_lowers_for_cuda():
 
 
 def _deal(num_sms, heads, tiles, batch, order):
-    """{item: its place in the order} over every program's items, and each program's causal work (t + 1 blocks)."""
+    """{item: its place in the order} over every program's items, through the kernels' persistent_work (vectorised
+    over programs and their items), and each program's causal work (t + 1 blocks)."""
     from mjax.kernels.attention.persistent import persistent_work, persistent_works  # noqa: PLC0415
 
-    places, work = {}, []
-    for sm in range(num_sms):
-        count = int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms))
-        items = [tuple(int(x) for x in persistent_work(jnp.int32(sm), jnp.int32(i), num_sms, heads, tiles, batch,
-                                                        order)) for i in range(count)]
-        for i, item in enumerate(items):
-            assert item not in places, (item, sm, places.get(item))
-            places[item] = i * num_sms + (sm if i % 2 == 0 else num_sms - 1 - sm)
-        work.append(sum(tile + 1 for tile, _, _ in items))
+    counts = [int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms)) for sm in range(num_sms)]
+    sm = np.repeat(np.arange(num_sms), counts)
+    i = np.concatenate([np.arange(c) for c in counts])
+    tile, head, row = (np.asarray(x) for x in persistent_work(jnp.asarray(sm), jnp.asarray(i), num_sms, heads, tiles,
+                                                              batch, order))
+    places = dict(zip(zip(tile.tolist(), head.tolist(), row.tolist()),
+                      (i * num_sms + np.where(i % 2 == 0, sm, num_sms - 1 - sm)).tolist()))
+    assert len(i) == len(places) == heads * tiles * batch  # no item twice
     assert sorted(places) == [(t, h, r) for t in range(tiles) for h in range(heads) for r in range(batch)]
-    return places, np.array(work)
+    return places, np.bincount(sm, weights=tile + 1, minlength=num_sms)
 
 
 @pytest.mark.parametrize("order", ["row", "tile"])
