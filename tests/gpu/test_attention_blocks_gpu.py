@@ -9,7 +9,7 @@ import pytest
 
 from tests.unit import test_attention_blocks as blocks
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")]
 
 
 @pytest.mark.parametrize("window,segments", [(None, False), (7, False), (None, True), (12, True)])
