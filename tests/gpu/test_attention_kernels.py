@@ -150,6 +150,7 @@ MOSAIC_CASES = [c for c in CASES if c.values[0].dtype != "float32"] + [
     pytest.param(Case(2, 640, 8, 2, 128, "bfloat16", causal=True, window=200, segments=True),
                  id="gqa4-window200-packed-bf16-h128"),
     pytest.param(Case(1, 512, 4, 4, 256, "float16", causal=True), id="mha-causal-f16-h256"),
+    pytest.param(Case(2, 384, 4, 2, 256, "bfloat16", causal=True, segments=True), id="gqa2-causal-packed-bf16-h256"),
     pytest.param(Case(1, 448, 8, 1, 96, "bfloat16", causal=True, s=900), id="mqa-causal-t448-s900-bf16-h96"),
 ]
 
