@@ -17,6 +17,17 @@ GPU_DEFAULTS = (
 )
 
 
+# --deterministic_mode, per compile: scatter-adds (the embedding's gradient) in a fixed order instead of by atomics,
+# and none of XLA's timing-based choices (its fusion autotuner picks one of two emitters per reduction by measuring
+# both, so two processes could sum in different orders).
+DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True}
+
+
+def compile_options(execution) -> dict | None:
+    """The XLA options every compile of a run takes (`execution`: the run's ExecutionConfig)."""
+    return dict(DETERMINISTIC_OPTIONS) if execution.deterministic_mode else None
+
+
 # JAX's allocator takes 75% of GPU memory by default, too little for the llama3.2-3b preset at 8 x 4096 tokens
 # (XLA's estimate of its step: docs/performance.md). mjax's training and benchmark scripts let the allocator take
 # 95% (the rest: CUDA context, cuDNN/cuBLAS workspaces and NCCL buffers).

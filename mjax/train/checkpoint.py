@@ -21,6 +21,7 @@ from mjax.storage.steps import (FORMAT, CheckpointError, abspath, cause, check_s
                                 pick_step)
 from mjax.train.preemption import StopSignals
 from mjax.train.state import TrainState
+from mjax.xla_flags import compile_options
 
 log = logging.getLogger("mjax")
 
@@ -182,7 +183,8 @@ class Checkpointer:
             raise CheckpointError(f"cannot load the params of {source}: {cause(e)}") from e
         key = jax.random.key(self.cfg.train.seed)
         _, rng = jax.random.split(key)  # as Setup.init_state: a fine-tune draws what a fresh run would
-        state = jax.jit(self.state_from_params, out_shardings=self.state_sharding, donate_argnums=0)(params, rng)
+        state = jax.jit(self.state_from_params, out_shardings=self.state_sharding, donate_argnums=0,
+                        compiler_options=compile_options(self.cfg.execution))(params, rng)
         log.info("loaded params only from %s in %.1fs: fresh optimizer state, step 0", source,
                  time.perf_counter() - t0)
         return state

@@ -25,6 +25,7 @@ from mjax.train.preemption import StopSignals
 from mjax.train.startup import log_compiled_memory, log_startup
 from mjax.train.state import TrainState
 from mjax.train.step import make_eval_step, make_train_step
+from mjax.xla_flags import compile_options
 
 log = logging.getLogger("mjax")
 
@@ -64,6 +65,16 @@ class Setup:
         """The logical-sharding context everything of this setup is traced under."""
         return logical_sharding(self.mesh, self.rules)
 
+    def jit(self, fn, **kwargs):
+        """jax.jit with the XLA options every compile of this run takes (--deterministic_mode)."""
+        return jax.jit(fn, compiler_options=compile_options(self.cfg.execution), **kwargs)
+
+    def _check_options(self, compiler_options):
+        clash = [k for k, v in (compile_options(self.cfg.execution) or {}).items()
+                 if k in (compiler_options or {}) and compiler_options[k] != v]
+        if clash:
+            raise ValueError(f"compiler option {clash[0]} contradicts --deterministic_mode")
+
     def init_state(self, seed: int, compiler_options=None) -> TrainState:
         """A fresh state, made by a jitted init with the state's shardings; `compiler_options` as in compile_step."""
         key = jax.random.key(seed)
@@ -73,7 +84,8 @@ class Setup:
             return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision, self.model.init_fp8())
 
         with self.sharding():
-            init = jax.jit(create, out_shardings=self.state_sharding).lower(init_key).compile(compiler_options)
+            self._check_options(compiler_options)
+            init = self.jit(create, out_shardings=self.state_sharding).lower(init_key).compile(compiler_options)
             return init(init_key)
 
     def state_from_params(self, params, rng) -> TrainState:
@@ -84,9 +96,10 @@ class Setup:
         """(the compiled train step with this setup's shardings, state donated; compile seconds). `compiler_options`:
         XLA debug options for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would."""
         with self.sharding():
-            step = jax.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
-                           in_shardings=(self.state_sharding, self.batch_sharding),
-                           out_shardings=(self.state_sharding, None), donate_argnums=0)
+            self._check_options(compiler_options)
+            step = self.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
+                            in_shardings=(self.state_sharding, self.batch_sharding),
+                            out_shardings=(self.state_sharding, None), donate_argnums=0)
             t0 = time.perf_counter()
             compiled = step.lower(state, batch).compile(compiler_options)
         return compiled, time.perf_counter() - t0
@@ -200,7 +213,7 @@ def _run(cfg, setup, ckpt, state, start, consumed, train_iter, evals, signals) -
     logger = MetricsLogger(cfg, start)
     history, eval_history = [], []
     with setup.sharding():
-        eval_fn = jax.jit(make_eval_step(setup.model, cfg))
+        eval_fn = setup.jit(make_eval_step(setup.model, cfg))
 
         def run_evals(step, prefix):
             for name, factory in evals.items():

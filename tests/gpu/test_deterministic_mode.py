@@ -1,0 +1,49 @@
+"""On the GPU: with --deterministic_mode two training processes agree bitwise, with cuDNN's and the Mosaic
+attention kernels.
+
+Without it they did not (docs/performance.md, "Determinism"; the candidates: XLA picks some reductions' emitters
+and GEMM algorithms by timing them in each process, and runs the embedding's gradient, a scatter-add, with atomic
+adds).
+tests/integration/test_deterministic_mode.py checks on CPU that every compile of a run takes the options.
+
+    JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests/gpu/test_deterministic_mode.py -q
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+
+
+def _train(tmp_path, tag, attention_impl):
+    metrics = tmp_path / f"{tag}.jsonl"
+    # llama3.2-1b's layer shapes, narrower (pytest workers hold most of the GPU's memory); no warm-up, so that
+    # every step moves the parameters and a difference in one step's gradients reaches the next step's loss
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config=llama3.2-1b", "--model.num_layers=2",
+           "--model.hidden_size=1024", "--model.num_attention_heads=16", "--model.num_query_groups=4",
+           "--model.ffn_hidden_size=4096", "--model.vocab_size=32000", "--mock_data", f"--train_iters={STEPS}",
+           "--log_interval=1", "--global_batch_size=4", "--seq_length=1024", "--lr_warmup_iters=0",
+           f"--attention_impl={attention_impl}", "--deterministic_mode", f"--metrics_file={metrics}"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    env.update(PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, metrics.read_text().splitlines())]
+
+
+def test_two_processes_train_bitwise_alike(tmp_path):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    impls = ["cudnn"] + (["mosaic"] if jax.devices()[0].compute_capability == "9.0" else [])
+    for impl in impls:  # one after another: the two processes of a pair never share the GPU's free memory
+        first, second = _train(tmp_path, f"{impl}_a", impl), _train(tmp_path, f"{impl}_b", impl)
+        assert len(first) == STEPS, impl
+        assert first == second, impl

@@ -1,0 +1,39 @@
+"""--deterministic_mode reaches every program a training run compiles: the init, the train step, the evaluation
+and the fresh optimizer state of --load_params_only (on CPU the options are recorded, XLA:CPU ignores them;
+tests/gpu/test_deterministic_mode.py checks that GPU steps repeat bitwise)."""
+
+import sys
+
+import jax
+
+from mjax.train.loop import build
+from mjax.train.loop import train as run
+from mjax.xla_flags import DETERMINISTIC_OPTIONS
+from tests.helpers.train_utils import pattern_batches, tiny_config
+
+
+def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp_path):
+    real_jit, calls = jax.jit, []
+
+    def recording_jit(fn, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+        if "/mjax/train/" in caller:
+            calls.append((caller.rsplit("/", 1)[-1], getattr(fn, "__name__", ""), kwargs.get("compiler_options")))
+        return real_jit(fn, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    ckpt = str(tmp_path / "ckpt")
+    cfg = tiny_config(execution=dict(deterministic_mode=True), train=dict(train_iters=1, eval_interval=1, eval_iters=1),
+                      checkpoint=dict(save=ckpt, save_interval=1, async_save=False))
+    valid = next(pattern_batches(cfg, seed=1))
+    run(cfg, data=(pattern_batches(cfg), lambda: iter([valid])))
+    tuned = cfg.replace(checkpoint=dict(save=None, save_interval=0, load=ckpt, load_params_only=True),
+                        train=dict(eval_interval=0))
+    run(tuned, data=(pattern_batches(tuned), None))
+    assert {name for _, name, _ in calls} == {"create", "step", "eval_step", "state_from_params"}, calls
+    assert [c for c in calls if c[2] != DETERMINISTIC_OPTIONS] == [], calls
+    # without the flag no options are added
+    calls.clear()
+    plain = build(tiny_config())
+    plain.jit(lambda x: x)
+    assert calls == [("loop.py", "<lambda>", None)]
