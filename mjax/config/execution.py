@@ -29,6 +29,6 @@ class ExecutionConfig:
         "With --remat_policy=selective: the named activations kept (the rest is recomputed).")
     scan_layers: bool = field(True, "scan_layers", "Run the layer stack with lax.scan (one compiled layer).")
     deterministic_mode: bool = field(False, "deterministic_mode",
-                                     "Compile every program of the run with xla_gpu_deterministic_ops (no timing-"
-                                     "based autotuning, no atomic scatter-adds), so that GPU steps repeat bitwise; "
+                                     "Compile every program of the run with xla_gpu_deterministic_ops (XLA's "
+                                     "run-to-run determinism: no timing-based autotuning, no atomic scatter-adds); "
                                      "potentially slower.")

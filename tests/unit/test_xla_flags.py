@@ -32,4 +32,3 @@ def test_defaults_off(monkeypatch):
     monkeypatch.setenv("MJAX_XLA_DEFAULTS", "0")
     xla_flags.apply_defaults()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
-
