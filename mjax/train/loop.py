@@ -69,11 +69,13 @@ class Setup:
         """jax.jit with the XLA options every compile of this run takes (--deterministic_mode)."""
         return jax.jit(fn, compiler_options=compile_options(self.cfg.execution), **kwargs)
 
-    def _check_options(self, compiler_options):
+    def _compile(self, lowered, compiler_options):
+        """lowered.compile(compiler_options), which jax merges over the run's options: never one that undoes them."""
         clash = [k for k, v in (compile_options(self.cfg.execution) or {}).items()
                  if k in (compiler_options or {}) and compiler_options[k] != v]
         if clash:
             raise ValueError(f"compiler option {clash[0]} contradicts --deterministic_mode")
+        return lowered.compile(compiler_options)
 
     def init_state(self, seed: int, compiler_options=None) -> TrainState:
         """A fresh state, made by a jitted init with the state's shardings; `compiler_options` as in compile_step."""
@@ -84,8 +86,7 @@ class Setup:
             return TrainState.create(self.model.init(k), self.tx, rng, self.cfg.precision, self.model.init_fp8())
 
         with self.sharding():
-            self._check_options(compiler_options)
-            init = self.jit(create, out_shardings=self.state_sharding).lower(init_key).compile(compiler_options)
+            init = self._compile(self.jit(create, out_shardings=self.state_sharding).lower(init_key), compiler_options)
             return init(init_key)
 
     def state_from_params(self, params, rng) -> TrainState:
@@ -96,12 +97,11 @@ class Setup:
         """(the compiled train step with this setup's shardings, state donated; compile seconds). `compiler_options`:
         XLA debug options for this compile only (e.g. {"xla_gpu_enable_triton_gemm": False}), as XLA_FLAGS would."""
         with self.sharding():
-            self._check_options(compiler_options)
             step = self.jit(make_train_step(self.model, self.cfg, self.tx, self.schedule),
                             in_shardings=(self.state_sharding, self.batch_sharding),
                             out_shardings=(self.state_sharding, None), donate_argnums=0)
             t0 = time.perf_counter()
-            compiled = step.lower(state, batch).compile(compiler_options)
+            compiled = self._compile(step.lower(state, batch), compiler_options)
         return compiled, time.perf_counter() - t0
 
     def place_batch(self, batch: dict) -> dict:

@@ -5,6 +5,7 @@ tests/gpu/test_deterministic_mode.py checks that GPU steps repeat bitwise)."""
 import sys
 
 import jax
+import pytest
 
 from mjax.train.loop import build
 from mjax.train.loop import train as run
@@ -32,6 +33,9 @@ def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp
     run(tuned, data=(pattern_batches(tuned), None))
     assert {name for _, name, _ in calls} == {"create", "step", "eval_step", "state_from_params"}, calls
     assert [c for c in calls if c[2] != DETERMINISTIC_OPTIONS] == [], calls
+    # an option of one compile that would undo the run's is refused, not merged over it
+    with pytest.raises(ValueError, match="deterministic_mode"):
+        build(cfg).init_state(0, {"xla_gpu_deterministic_ops": False})
     # without the flag no options are added
     calls.clear()
     plain = build(tiny_config())
