@@ -101,6 +101,8 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
 
             def step(j, dq, masked: bool):
                 slot = slot_of(j)
+                # issued before the wgmmas, so the global-memory latency hides behind them
+                k_ids = _segment_ids(kseg_ref, batch, j * block_kv, block_kv, COLS) if masked and segments else None
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 zeros = plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), WGMMA)
@@ -118,7 +120,6 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
                     c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
                     keep = position_mask(mask, r + (row0 + q_off), c + j * block_kv)
                     if segments:
-                        k_ids = _segment_ids(kseg_ref, batch, j * block_kv, block_kv, COLS)
                         keep = keep & (lax.broadcast_in_dim(q_ids, shape, [0])
                                        == lax.broadcast_in_dim(k_ids, shape, [1]))
                     p = jnp.where(keep, p, 0.0)
@@ -249,6 +250,8 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                 def step(blk, carry, masked: bool):
                     dk, dv = carry
                     slot = slot_of(g, blk)
+                    # issued before the wgmma, so the global-memory latency hides behind it
+                    q_ids = _segment_ids(qseg_ref, batch, blk * block_q, block_q, COLS) if masked and segments else None
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def st_scope(acc_ref):
@@ -263,7 +266,6 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                         c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
                         keep = position_mask(mask, c + (blk * block_q + q_off), r + key0)
                         if segments:
-                            q_ids = _segment_ids(qseg_ref, batch, blk * block_q, block_q, COLS)
                             keep = keep & (lax.broadcast_in_dim(k_ids, shape, [0])
                                            == lax.broadcast_in_dim(q_ids, shape, [1]))
                         pt = jnp.where(keep, pt, 0.0)

@@ -111,6 +111,10 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             def step(j, carry, masked: bool):  # K of block j has been waited for
                 acc, m_i, l_i = carry
                 slot = slot_of(j)
+                k_ids = None
+                if masked and segments:  # issued before the QK^T wgmma, so its global-memory latency hides behind it
+                    k_ids = plgpu.load(kseg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
+                                       layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
                 def qk_scope(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -124,8 +128,6 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
                     cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                     keep = position_mask(mask, rows + (row0 + q_off), cols + j * block_kv)
                     if segments:
-                        k_ids = plgpu.load(kseg_ref.at[batch, pl.ds(j * block_kv, block_kv)],
-                                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
                         keep = keep & (lax.broadcast_in_dim(q_ids, qk.shape, [0])
                                        == lax.broadcast_in_dim(k_ids, qk.shape, [1]))
                     qk = jnp.where(keep, qk, -jnp.inf)
