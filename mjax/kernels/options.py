@@ -6,6 +6,9 @@ QKV_GRAD_IMPLS = ("auto", "xla", "pallas")
 CROSS_ENTROPY_IMPLS = ("reference", "fused")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 FP4_RECIPES = ("nvfp4", "mxfp4")
+# Why --deterministic_mode excludes cuDNN attention (docs/performance.md, "Determinism")
+CUDNN_NOT_DETERMINISTIC = ("cuDNN's attention fails at run time under XLA's deterministic ops (jax 0.11.2 on an "
+                           "H100: IndexError raw_hash_map::at)")
 
 # Remat names the kernels give their results: an attention kernel's output and softmax statistics (saving them
 # keeps the backward from rerunning the forward kernel), and a per-tensor FP8 GEMM's quantized operands and scales.

@@ -74,6 +74,7 @@ class ContextParallelAttention:
     comm_type: str = "p2p"  # --cp_comm_type
     a2a_size: int | None = None  # a2a+p2p: ranks of each all-to-all group (--hierarchical_context_parallel_sizes)
     load_balanced: bool = True  # False: contiguous chunks (the naive ring; benchmarks)
+    deterministic: bool = False  # --deterministic_mode: the kernel choice skips those XLA cannot run deterministically
 
     def __call__(self, q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, impl="auto"):
         """q [B, T, N, H], k/v [B, T, K, H] in the context layout, segment_ids [B, T] or None -> out [B, T, N, H]."""
@@ -83,7 +84,8 @@ class ContextParallelAttention:
         cp = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in axes]))
         if cp == 1:
             return dot_product_attention(q, k, v, causal=causal, sliding_window=sliding_window,
-                                         segment_ids=segment_ids, scale=scale, impl=impl)
+                                         segment_ids=segment_ids, scale=scale, impl=impl,
+                                         deterministic=self.deterministic)
         if len(axes) != 1:
             raise ValueError(f"context parallelism runs over one mesh axis, not {axes}")
         if q.shape[1] % (2 * cp):
@@ -95,7 +97,7 @@ class ContextParallelAttention:
         heads = tuple(rules.get("heads") or ())
         how = AttentionPlan(axis=axes[0], cp=cp, a2a=a2a, load_balanced=self.load_balanced, causal=bool(causal),
                    window=sliding_window, scale=scale, impl=impl, heads_axes=heads,
-                   tp=int(np.prod([mesh.shape[a] for a in heads])))
+                   tp=int(np.prod([mesh.shape[a] for a in heads])), deterministic=self.deterministic)
         local = _allgather_attention if self.comm_type == "all_gather" else _attention
         return _shard_over_context(functools.partial(local, how), mesh, how.axis, q, k, v, segment_ids)
 
@@ -113,6 +115,7 @@ class AttentionPlan:
     impl: str
     heads_axes: tuple
     tp: int  # the heads' shards (tensor parallelism): the all-to-all keeps them
+    deterministic: bool = False
 
     @property
     def ring(self) -> int:
@@ -121,7 +124,8 @@ class AttentionPlan:
     def attend(self, q, k, v, q_seg, kv_seg, offset=None, return_lse=False):
         seg = None if q_seg is None else (q_seg, kv_seg)
         return dot_product_attention(q, k, v, causal=self.causal, sliding_window=self.window, segment_ids=seg,
-                                     scale=self.scale, impl=self.impl, return_lse=return_lse, offset=offset)
+                                     scale=self.scale, impl=self.impl, return_lse=return_lse, offset=offset,
+                                     deterministic=self.deterministic)
 
     def block_backward(self, q, k, v, out, lse, do, q_seg, kv_seg, offset):
         seg = None if q_seg is None else (q_seg, kv_seg)

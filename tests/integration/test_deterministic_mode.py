@@ -1,12 +1,14 @@
 """--deterministic_mode reaches every program a training run compiles: the init, the train step, the evaluation
 and the fresh optimizer state of --load_params_only (on CPU the options are recorded, XLA:CPU ignores them;
-tests/gpu/test_deterministic_mode.py checks that GPU steps repeat bitwise)."""
+tests/gpu/test_deterministic_mode.py checks that GPU steps repeat bitwise), and the attention kernel choice (which
+then skips cuDNN's, failing under XLA's deterministic ops)."""
 
 import sys
 
 import jax
 import pytest
 
+from mjax.kernels.attention import dispatch
 from mjax.train.loop import build
 from mjax.train.loop import train as run
 from mjax.xla_flags import DETERMINISTIC_OPTIONS
@@ -23,6 +25,13 @@ def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp
         return real_jit(fn, **kwargs)
 
     monkeypatch.setattr(jax, "jit", recording_jit)
+    real_choose, chosen = dispatch.choose_impl, []
+
+    def recording_choose(impl, **facts):
+        chosen.append(facts["deterministic"])
+        return real_choose(impl, **facts)
+
+    monkeypatch.setattr(dispatch, "choose_impl", recording_choose)
     ckpt = str(tmp_path / "ckpt")
     cfg = tiny_config(execution=dict(deterministic_mode=True), train=dict(train_iters=1, eval_interval=1, eval_iters=1),
                       checkpoint=dict(save=ckpt, save_interval=1, async_save=False))
@@ -33,6 +42,7 @@ def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp
     run(tuned, data=(pattern_batches(tuned), None))
     assert {name for _, name, _ in calls} == {"create", "step", "eval_step", "state_from_params"}, calls
     assert [c for c in calls if c[2] != DETERMINISTIC_OPTIONS] == [], calls
+    assert chosen and all(chosen), chosen  # every attention call of the model was chosen as deterministic
     # an option of one compile that would undo the run's is refused, not merged over it
     with pytest.raises(ValueError, match="deterministic_mode"):
         build(cfg).init_state(0, {"xla_gpu_deterministic_ops": False})
@@ -41,3 +51,6 @@ def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp
     plain = build(tiny_config())
     plain.jit(lambda x: x)
     assert calls == [("loop.py", "<lambda>", None)]
+    chosen.clear()
+    run(tiny_config(train=dict(train_iters=1)), data=(pattern_batches(cfg), None))
+    assert chosen and not any(chosen), chosen

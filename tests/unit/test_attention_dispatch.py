@@ -31,6 +31,10 @@ GPU_BF16 = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=128, segment_ids=Fal
     (dict(head_dim=40), "cudnn"),
     (dict(backend="cpu"), "xla"),
     (dict(backend="cpu", segment_ids=True, return_lse=True), "xla"),
+    # --deterministic_mode: cuDNN's attention fails under XLA's deterministic ops
+    (dict(deterministic=True, hopper=True), "mosaic"),
+    (dict(deterministic=True), "pallas"),
+    (dict(deterministic=True, backend="cpu"), "xla"),
 ])
 def test_auto_follows_the_capability_table(facts, want):
     assert choose_impl("auto", **(GPU_BF16 | facts)) == want
@@ -42,6 +46,7 @@ def test_auto_follows_the_capability_table(facts, want):
     ("cudnn", dict(backend="cpu"), "needs a GPU"),
     ("cudnn", dict(dtype=jnp.float32), "bfloat16/float16"),
     ("cudnn", dict(sliding_window=128, causal=False), "causal sliding window"),
+    ("cudnn", dict(deterministic=True, hopper=True), "deterministic ops"),
     ("pallas", dict(head_dim=512), "head dim"),
     ("pallas", dict(dtype=jnp.int8), "bfloat16/float16/float32"),
     ("pallas", dict(backend="tpu"), "runs on GPU"),

@@ -75,6 +75,8 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(parallel=dict(cp=8, cp_comm_type="a2a")), 8, "--num_attention_heads=4 must split over --tp x"),
     (dict(parallel=dict(cp=2, cp_comm_type="all_gather"), execution=dict(attention_impl="cudnn")), 2,
      "use --attention_impl=mosaic or pallas"),
+    (dict(execution=dict(attention_impl="cudnn", deterministic_mode=True)), 1,
+     "--attention_impl=cudnn with --deterministic_mode"),
     (dict(checkpoint=dict(ckpt_step=3)), 1, "--ckpt_step says what to read from --load"),
     (dict(checkpoint=dict(load_params_only=True)), 1, "--load_params_only says"),
 ])

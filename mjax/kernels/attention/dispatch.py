@@ -14,7 +14,7 @@ from mjax.kernels.attention.cudnn import cudnn_attention
 from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.attention.reference import reference_attention, reference_attention_backward
 from mjax.kernels.device import is_hopper
-from mjax.kernels.options import ATTENTION_IMPLS
+from mjax.kernels.options import ATTENTION_IMPLS, CUDNN_NOT_DETERMINISTIC
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,9 @@ HALF_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
                     causal: bool = True, sliding_window=None, q_len=None, kv_len=None,
-                    offset: bool = False, hopper: bool = False) -> str | None:
-    """The capability table: None if `impl` can do this call, else the reason in words."""
+                    offset: bool = False, hopper: bool = False, deterministic: bool = False) -> str | None:
+    """The capability table: None if `impl` can do this call, else the reason in words. deterministic: the
+    program is compiled with XLA's deterministic ops (--deterministic_mode)."""
     dtype = jnp.dtype(dtype)
     if impl == "xla":
         return None
@@ -63,6 +64,8 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
             return "cudnn has only a causal sliding window"
         if causal and q_len is not None and kv_len is not None and q_len != kv_len:
             return "cudnn aligns the causal mask differently when query and key lengths differ"
+        if deterministic:
+            return CUDNN_NOT_DETERMINISTIC
         return None
     if impl == "mosaic":
         from mjax.kernels.attention.flash import MAX_HEAD_DIM  # noqa: PLC0415
@@ -90,19 +93,20 @@ def why_unsupported(impl: str, *, backend: str, dtype, head_dim: int, segment_id
 
 def choose_impl(impl: str, *, backend: str, dtype, head_dim: int, segment_ids: bool, return_lse: bool,
                 causal: bool = True, sliding_window=None, q_len=None, kv_len=None, offset: bool = False,
-                hopper: bool = False) -> str:
+                hopper: bool = False, deterministic: bool = False) -> str:
     """The capability table behind `auto`; an explicit choice is checked, never replaced.
 
     auto, in order of measured training speed (forward + backward, docs/kernels.md): on GPU cuDNN when it can
-    (plain causal or windowed attention), else on Hopper the Mosaic GPU kernel, else the Triton kernel (segment
-    ids, log-sum-exp, fp32, non-causal windows); off GPU, XLA. If nothing fast fits on a GPU, auto raises rather
-    than silently materialising the T x S logits: choose --attention_impl=xla explicitly for that.
+    (plain causal or windowed attention, not under --deterministic_mode), else on Hopper the Mosaic GPU kernel,
+    else the Triton kernel (segment ids, log-sum-exp, fp32, non-causal windows); off GPU, XLA. If nothing fast
+    fits on a GPU, auto raises rather than silently materialising the T x S logits: choose --attention_impl=xla
+    explicitly for that.
     """
     if impl not in IMPLS:
         raise AttentionUnsupported(f"--attention_impl={impl!r} is not one of {', '.join(IMPLS)}")
     facts = dict(backend=backend, dtype=dtype, head_dim=head_dim, segment_ids=segment_ids, return_lse=return_lse,
                  causal=causal, sliding_window=sliding_window, q_len=q_len, kv_len=kv_len, offset=offset,
-                 hopper=hopper)
+                 hopper=hopper, deterministic=deterministic)
     if impl != "auto":
         reason = why_unsupported(impl, **facts)
         if reason:
@@ -136,23 +140,23 @@ def check_call(q, k, v, *, sliding_window=None, segment_ids=None) -> None:
                                    f"{k.shape[1]}); pass a pair (q_segment_ids, kv_segment_ids)")
 
 
-def _choose(impl, q, k, *, causal, sliding_window, segment_ids, return_lse, offset) -> str:
+def _choose(impl, q, k, *, causal, sliding_window, segment_ids, return_lse, offset, deterministic=False) -> str:
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
                          segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
                          sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1],
-                         offset=offset is not None, hopper=is_hopper())
+                         offset=offset is not None, hopper=is_hopper(), deterministic=deterministic)
     _log_choice(impl, chosen, q.shape, str(q.dtype))
     return chosen
 
 
 def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None,
-                          impl="auto", return_lse=False, offset=None):
+                          impl="auto", return_lse=False, offset=None, deterministic=False):
     """Dispatches to the implementation `impl` names (or `auto` picks); raises AttentionUnsupported otherwise.
     offset: query i sits at key position i + offset (default S - T); a traced value is one block of context
-    parallelism's attention."""
+    parallelism's attention. deterministic: compiled with XLA's deterministic ops (--deterministic_mode)."""
     check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
     chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
-                     return_lse=return_lse, offset=offset)
+                     return_lse=return_lse, offset=offset, deterministic=deterministic)
     extra = {} if offset is None else {"offset": offset}
     return _IMPL_FNS[chosen](q, k, v, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
                              scale=scale, return_lse=return_lse, **extra)
