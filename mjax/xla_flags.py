@@ -23,9 +23,22 @@ GPU_DEFAULTS = (
 DETERMINISTIC_OPTIONS = {"xla_gpu_deterministic_ops": True}
 
 
+# XLA's options that compile a GPU program with deterministic ops only, whether --deterministic_mode or the user
+# set them: kernels that fail under them (cuDNN's attention) are then not chosen.
+DETERMINISTIC_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
 def compile_options(execution) -> dict | None:
     """The XLA options every compile of a run takes (`execution`: the run's ExecutionConfig)."""
     return dict(DETERMINISTIC_OPTIONS) if execution.deterministic_mode else None
+
+
+def deterministic_run(execution) -> bool:
+    """Whether a run's programs compile with deterministic ops only: --deterministic_mode, or one of
+    DETERMINISTIC_FLAGS set true in XLA_FLAGS."""
+    flags = dict((f.lstrip("-").split("=", 1) + ["true"])[:2] for f in os.environ.get("XLA_FLAGS", "").split())
+    return execution.deterministic_mode or any(flags.get(name, "false").lower() in ("true", "1")
+                                               for name in DETERMINISTIC_FLAGS)
 
 
 # JAX's allocator takes 75% of GPU memory by default, too little for the llama3.2-3b preset at 8 x 4096 tokens

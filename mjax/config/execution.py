@@ -31,4 +31,4 @@ class ExecutionConfig:
     deterministic_mode: bool = field(False, "deterministic_mode",
                                      "Compile every program of the run with xla_gpu_deterministic_ops (XLA's "
                                      "run-to-run determinism: no timing-based autotuning, no atomic scatter-adds); "
-                                     "potentially slower.")
+                                     "potentially slower. Not with cuDNN attention (auto skips it).")

@@ -20,7 +20,8 @@ p2p         ring attention: K/V (and their segment ids) travel around the ring w
 all_gather  K/V (never Q, never the residual stream) are all-gathered, put in sequence order, and each query
             chunk attends to them with its offset; the backward reduce-scatters dK/dV.
 a2a         Ulysses: all-to-all from sequence-split to head-split (heads grouped per tensor shard, so tensor
-            parallelism keeps its split), whole-sequence attention with any kernel (cuDNN too), and back. K/V
+            parallelism keeps its split), whole-sequence attention with any kernel (cuDNN too, unless the run
+            compiles with deterministic ops), and back. K/V
             heads fewer than tp x the all-to-all group are repeated up to it (their gradients summed back).
 
 Blocks are attention with a traced query offset and the log-sum-exp (`dot_product_attention(..., offset=,
@@ -74,7 +75,7 @@ class ContextParallelAttention:
     comm_type: str = "p2p"  # --cp_comm_type
     a2a_size: int | None = None  # a2a+p2p: ranks of each all-to-all group (--hierarchical_context_parallel_sizes)
     load_balanced: bool = True  # False: contiguous chunks (the naive ring; benchmarks)
-    deterministic: bool = False  # --deterministic_mode: the kernel choice skips those XLA cannot run deterministically
+    deterministic: bool = False  # compiled with deterministic ops: the kernel choice skips those failing under them
 
     def __call__(self, q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, impl="auto"):
         """q [B, T, N, H], k/v [B, T, K, H] in the context layout, segment_ids [B, T] or None -> out [B, T, N, H]."""
@@ -115,7 +116,7 @@ class AttentionPlan:
     impl: str
     heads_axes: tuple
     tp: int  # the heads' shards (tensor parallelism): the all-to-all keeps them
-    deterministic: bool = False
+    deterministic: bool = False  # as ContextParallelAttention.deterministic
 
     @property
     def ring(self) -> int:
@@ -130,7 +131,8 @@ class AttentionPlan:
     def block_backward(self, q, k, v, out, lse, do, q_seg, kv_seg, offset):
         seg = None if q_seg is None else (q_seg, kv_seg)
         return attention_block_backward(q, k, v, out, lse, do, causal=self.causal, sliding_window=self.window,
-                                        segment_ids=seg, scale=self.scale, impl=self.impl, offset=offset)
+                                        segment_ids=seg, scale=self.scale, impl=self.impl, offset=offset,
+                                        deterministic=self.deterministic)
 
     def ring_position(self):
         return lax.axis_index(self.axis) // self.a2a

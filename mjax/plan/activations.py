@@ -17,6 +17,7 @@ from mjax.model.moe import MoE
 from mjax.model.transformer import STACKS
 from mjax.parallel.remat import LayerRunner
 from mjax.sharding import single_device
+from mjax.xla_flags import deterministic_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +102,10 @@ def _residuals(model_cfg, precision, execution, seq: int, nested_moe: bool = Fal
                nested_attention: bool = False) -> Residuals:
     """nested_*: the region runs in a shard_map nested in the pipeline's, which JAX cannot lower with saved
     residuals, so the code checkpoints it (its inputs are kept, the rest recomputed)."""
+    attention = functools.partial(_checkpointed_attention if nested_attention else dot_product_attention,
+                                  deterministic=deterministic_run(execution))  # the kernel training would choose
     model = build_model(model_cfg, precision, execution, LayerRunner(execution),
-                        _checkpointed_dispatch if nested_moe else None,
-                        _checkpointed_attention if nested_attention else None)
+                        _checkpointed_dispatch if nested_moe else None, attention)
     params = model.abstract_params()
     one, two = (_saved_bytes(model, params, b, seq, model_cfg.hidden_size) for b in (1, 2))
     stream, other = two[0] - one[0], two[1] - one[1]

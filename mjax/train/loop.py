@@ -25,7 +25,7 @@ from mjax.train.preemption import StopSignals
 from mjax.train.startup import log_compiled_memory, log_startup
 from mjax.train.state import TrainState
 from mjax.train.step import make_eval_step, make_train_step
-from mjax.xla_flags import compile_options
+from mjax.xla_flags import DETERMINISTIC_FLAGS, compile_options, deterministic_run
 
 log = logging.getLogger("mjax")
 
@@ -70,11 +70,16 @@ class Setup:
         return jax.jit(fn, compiler_options=compile_options(self.cfg.execution), **kwargs)
 
     def _compile(self, lowered, compiler_options):
-        """lowered.compile(compiler_options), which jax merges over the run's options: never one that undoes them."""
-        clash = [k for k, v in (compile_options(self.cfg.execution) or {}).items()
-                 if k in (compiler_options or {}) and compiler_options[k] != v]
+        """lowered.compile(compiler_options), which jax merges over the run's options: never one that undoes them,
+        nor deterministic ops the model was not built for (its attention choice skips kernels that fail under them)."""
+        options = compiler_options or {}
+        clash = [k for k, v in (compile_options(self.cfg.execution) or {}).items() if k in options and options[k] != v]
         if clash:
             raise ValueError(f"compiler option {clash[0]} contradicts --deterministic_mode")
+        late = [k for k in DETERMINISTIC_FLAGS if options.get(k) and not deterministic_run(self.cfg.execution)]
+        if late:
+            raise ValueError(f"compiler option {late[0]}: set --deterministic_mode instead, so that the model's kernel "
+                             "choices know")
         return lowered.compile(compiler_options)
 
     def init_state(self, seed: int, compiler_options=None) -> TrainState:
@@ -137,7 +142,7 @@ def build(cfg, devices=None) -> Setup:
     model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution),
                         TokenDispatcher(p.moe_token_dispatcher_type, cfg.execution.moe_alltoall_impl),
                         ContextParallelAttention(p.cp_comm_type, (p.hierarchical_context_parallel_sizes or (None,))[0],
-                                                 deterministic=cfg.execution.deterministic_mode))
+                                                 deterministic=deterministic_run(cfg.execution)))
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
     tx = make_optimizer(cfg.optimizer, schedule)
     abstract_params = model.abstract_params()

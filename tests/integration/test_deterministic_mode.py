@@ -46,11 +46,15 @@ def test_every_compile_of_a_run_takes_the_deterministic_options(monkeypatch, tmp
     # an option of one compile that would undo the run's is refused, not merged over it
     with pytest.raises(ValueError, match="deterministic_mode"):
         build(cfg).init_state(0, {"xla_gpu_deterministic_ops": False})
-    # without the flag no options are added
+    # without the flag no options are added, and deterministic ops asked for by one compile are refused: the
+    # model's kernel choices were made without knowing them
     calls.clear()
     plain = build(tiny_config())
     plain.jit(lambda x: x)
     assert calls == [("loop.py", "<lambda>", None)]
+    with pytest.raises(ValueError, match="set --deterministic_mode instead"):
+        plain.init_state(0, {"xla_gpu_exclude_nondeterministic_ops": True})
     chosen.clear()
-    run(tiny_config(train=dict(train_iters=1)), data=(pattern_batches(cfg), None))
+    plain_cfg = tiny_config(train=dict(train_iters=1))
+    run(plain_cfg, data=(pattern_batches(plain_cfg), None))
     assert chosen and not any(chosen), chosen

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mjax.kernels.attention import reference_attention
+from mjax.kernels.attention import dispatch, reference_attention
 from mjax.parallel.context_parallel import ContextParallelAttention, chunk_ids, load_balance_order
 from mjax.sharding import logical_sharding
 
@@ -96,3 +96,27 @@ def test_matches_one_device(case, masks, impl="xla"):
 def test_pallas_blocks_match_one_device(case):
     """The same through the Pallas kernel (interpret mode): traced offsets and the blockwise backward."""
     test_matches_one_device(case, "window_and_documents", impl="pallas")
+
+
+@pytest.mark.parametrize("case", ["p2p_cp4_tp2", "all_gather_cp4_tp2", "a2a_cp4_tp2_kv_repeated", "a2a+p2p_cp4_tp2"])
+def test_a_deterministic_run_makes_every_kernel_choice_knowing_it(case, monkeypatch):
+    """Compiled with deterministic ops (--deterministic_mode), every attention choice of the forward and the
+    backward, ring blocks included, knows it (it then skips cuDNN's attention, which fails under them)."""
+    comm, a2a, cp, tp, n, k, balanced = CASES[case]
+    real_choose, facts = dispatch.choose_impl, []
+
+    def recording_choose(impl, **f):
+        facts.append(f["deterministic"])
+        return real_choose(impl, **f)
+
+    monkeypatch.setattr(dispatch, "choose_impl", recording_choose)
+    q, kk, v, seg, g = _inputs(n, k)
+    mesh = Mesh(np.array(jax.devices()[:cp * tp]).reshape(1, cp, tp), ("data", "context", "tensor"))
+    attention = ContextParallelAttention(comm, a2a, load_balanced=balanced, deterministic=True)
+
+    def loss(q, k, v):
+        with logical_sharding(mesh, RULES):
+            return jnp.sum(attention(q, k, v, causal=True, segment_ids=seg) * g)
+
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kk, v)  # the choices are made while tracing
+    assert facts and all(facts), facts

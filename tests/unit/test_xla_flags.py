@@ -2,7 +2,10 @@
 
 import os
 
+import pytest
+
 from mjax import xla_flags
+from mjax.config.execution import ExecutionConfig
 
 
 def _flags(value: str) -> dict:
@@ -32,3 +35,17 @@ def test_defaults_off(monkeypatch):
     monkeypatch.setenv("MJAX_XLA_DEFAULTS", "0")
     xla_flags.apply_defaults()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+@pytest.mark.parametrize("mode, xla_flags_value, want", [
+    (True, "", True),
+    (False, "", False),
+    (False, "--xla_gpu_deterministic_ops=true", True),
+    (False, "--xla_dump_to=/tmp/x --xla_gpu_exclude_nondeterministic_ops", True),  # a bare bool flag is true
+    (False, "--xla_gpu_exclude_nondeterministic_ops=1", True),
+    (False, "--xla_gpu_deterministic_ops=false", False),
+    (False, "--xla_gpu_deterministic_ops_other=true", False),
+])
+def test_a_run_is_deterministic_by_the_flag_or_by_xla_flags(monkeypatch, mode, xla_flags_value, want):
+    monkeypatch.setenv("XLA_FLAGS", xla_flags_value)
+    assert xla_flags.deterministic_run(ExecutionConfig(deterministic_mode=mode)) is want

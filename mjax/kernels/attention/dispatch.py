@@ -163,13 +163,13 @@ def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_
 
 
 def attention_block_backward(q, k, v, out, lse, do, *, causal=True, sliding_window=None, segment_ids=None,
-                             scale=None, impl="auto", offset=None):
+                             scale=None, impl="auto", offset=None, deterministic=False):
     """(dq, dk, dv) of one block of a larger attention whose merged output `out` and log-sum-exp `lse` are given:
     the backward of ring attention's blocks, by the implementation `impl` names (xla, mosaic or pallas: the ones
     that return the log-sum-exp its forward merges)."""
     check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
     chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
-                     return_lse=True, offset=offset)
+                     return_lse=True, offset=offset, deterministic=deterministic)
     kw = dict(causal=causal, sliding_window=sliding_window, segment_ids=segment_ids, scale=scale, offset=offset)
     if chosen == "xla":
         return reference_attention_backward(q, k, v, out, lse, do, **kw)
