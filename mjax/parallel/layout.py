@@ -9,6 +9,8 @@ import logging
 
 from mjax.config.base import ConfigError
 from mjax.config.validate import check_blockwise_dims, pipeline_schedule, positive, validate
+from mjax.kernels.options import CUDNN_NOT_DETERMINISTIC
+from mjax.xla_flags import DETERMINISTIC_FLAGS, deterministic_run
 
 log = logging.getLogger("mjax")
 
@@ -63,10 +65,16 @@ def resolve_batch(cfg, num_devices: int) -> Batching:
     return Batching(shards, micro, per_shard // micro, chosen)
 
 
-def check_attention_device(impl: str) -> None:
-    """An --attention_impl that names a GPU kernel needs that GPU (the per-call rules are the dispatch's)."""
+def check_attention_device(execution) -> None:
+    """An --attention_impl that names a GPU kernel needs that GPU, and cuDNN's no deterministic ops asked for in
+    XLA_FLAGS (--deterministic_mode's are refused by validation; the per-call rules are the dispatch's)."""
+    impl = execution.attention_impl
     if impl not in ("cudnn", "mosaic"):
         return
+    if impl == "cudnn" and deterministic_run(execution):
+        raise ConfigError(f"--attention_impl=cudnn with deterministic ops in XLA_FLAGS "
+                          f"({' or '.join(DETERMINISTIC_FLAGS)}): {CUDNN_NOT_DETERMINISTIC}; use "
+                          "--attention_impl=auto, mosaic or pallas")
     import jax  # noqa: PLC0415  (validating a config of other choices loads no JAX)
 
     from mjax.kernels.device import is_hopper  # noqa: PLC0415
@@ -82,7 +90,7 @@ def check_attention_device(impl: str) -> None:
 def validate_layout(cfg, num_devices: int) -> Batching:
     """Every check of a run on `num_devices` devices, before anything is traced; returns its batching."""
     validate(cfg)
-    check_attention_device(cfg.execution.attention_impl)
+    check_attention_device(cfg.execution)
     resolve_data_parallel(cfg, num_devices)
     batching = resolve_batch(cfg, num_devices)
     p = cfg.parallel

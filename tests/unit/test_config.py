@@ -140,3 +140,15 @@ def test_bad_flag_values_are_config_errors():
         _parse(["--train_iters=3", "--train.train_iters=4"])
     with pytest.raises(ConfigError, match="choose one"):
         _parse(["--bf16", "--fp16"])
+
+
+def test_cudnn_attention_is_refused_under_deterministic_ops_from_xla_flags(monkeypatch):
+    cudnn = TINY.replace(execution=dict(attention_impl="cudnn"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    with pytest.raises(ConfigError, match="--attention_impl=cudnn with deterministic ops in XLA_FLAGS"):
+        validate_layout(cudnn, 1)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    try:
+        validate_layout(cudnn, 1)
+    except ConfigError as e:  # off a GPU, cuDNN is refused for that, not for the flags
+        assert "XLA_FLAGS" not in str(e), e
