@@ -33,12 +33,20 @@ def compile_options(execution) -> dict | None:
     return dict(DETERMINISTIC_OPTIONS) if execution.deterministic_mode else None
 
 
+def given_flags() -> dict[str, str]:
+    """XLA_FLAGS as {name without dashes: value}; a bare flag is a boolean set true, as XLA reads it."""
+    return dict((f.lstrip("-").split("=", 1) + ["true"])[:2] for f in os.environ.get("XLA_FLAGS", "").split())
+
+
+def deterministic_ops_in_xla_flags() -> bool:
+    """Whether XLA_FLAGS sets one of DETERMINISTIC_FLAGS true."""
+    flags = given_flags()
+    return any(flags.get(name, "false").lower() in ("true", "1") for name in DETERMINISTIC_FLAGS)
+
+
 def deterministic_run(execution) -> bool:
-    """Whether a run's programs compile with deterministic ops only: --deterministic_mode, or one of
-    DETERMINISTIC_FLAGS set true in XLA_FLAGS."""
-    flags = dict((f.lstrip("-").split("=", 1) + ["true"])[:2] for f in os.environ.get("XLA_FLAGS", "").split())
-    return execution.deterministic_mode or any(flags.get(name, "false").lower() in ("true", "1")
-                                               for name in DETERMINISTIC_FLAGS)
+    """Whether a run's programs compile with deterministic ops only: --deterministic_mode, or XLA_FLAGS."""
+    return execution.deterministic_mode or deterministic_ops_in_xla_flags()
 
 
 # JAX's allocator takes 75% of GPU memory by default, too little for the llama3.2-3b preset at 8 x 4096 tokens
@@ -52,6 +60,6 @@ def apply_defaults() -> None:
         return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)
     current = os.environ.get("XLA_FLAGS", "")
-    given = {f.split("=")[0] for f in current.split()}
-    added = [f for f in GPU_DEFAULTS if f.split("=")[0] not in given]
+    given = given_flags()
+    added = [f for f in GPU_DEFAULTS if f.lstrip("-").split("=")[0] not in given]
     os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()

@@ -76,9 +76,6 @@ def validate_execution(cfg: Config) -> None:
     """--attention_impl, --qkv_grad_impl, --cross_entropy_impl, --remat_* ... (mjax/config/execution.py)."""
     e, m, tp = cfg.execution, cfg.model, cfg.parallel.tp
     choice(e.attention_impl, kernels.ATTENTION_IMPLS, "attention_impl")
-    if e.deterministic_mode and e.attention_impl == "cudnn":
-        raise ConfigError(f"--attention_impl=cudnn with --deterministic_mode: {kernels.CUDNN_NOT_DETERMINISTIC}; use "
-                          "--attention_impl=auto (which then skips cuDNN), mosaic or pallas")
     choice(e.qkv_grad_impl, kernels.QKV_GRAD_IMPLS, "qkv_grad_impl")
     if e.qkv_grad_impl == "pallas" and not kernels.qkv_kernel_tiles(m.head_dim):
         raise ConfigError(f"--qkv_grad_impl=pallas needs half the head dim (--kv_channels) to be a power of two "

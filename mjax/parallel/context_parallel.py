@@ -21,8 +21,8 @@ all_gather  K/V (never Q, never the residual stream) are all-gathered, put in se
             chunk attends to them with its offset; the backward reduce-scatters dK/dV.
 a2a         Ulysses: all-to-all from sequence-split to head-split (heads grouped per tensor shard, so tensor
             parallelism keeps its split), whole-sequence attention with any kernel (cuDNN too, unless the run
-            compiles with deterministic ops), and back. K/V
-            heads fewer than tp x the all-to-all group are repeated up to it (their gradients summed back).
+            compiles with deterministic ops), and back. K/V heads fewer than tp x the all-to-all group are
+            repeated up to it (their gradients summed back).
 
 Blocks are attention with a traced query offset and the log-sum-exp (`dot_product_attention(..., offset=,
 return_lse=True)`): the Pallas kernel (GPU) or the XLA reference; cuDNN takes neither and serves only a2a.

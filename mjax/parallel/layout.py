@@ -66,15 +66,16 @@ def resolve_batch(cfg, num_devices: int) -> Batching:
 
 
 def check_attention_device(execution) -> None:
-    """An --attention_impl that names a GPU kernel needs that GPU, and cuDNN's no deterministic ops asked for in
-    XLA_FLAGS (--deterministic_mode's are refused by validation; the per-call rules are the dispatch's)."""
+    """An --attention_impl that names a GPU kernel needs that GPU, and cuDNN's a run without deterministic ops
+    (--deterministic_mode or XLA_FLAGS; the per-call rules are the dispatch's)."""
     impl = execution.attention_impl
     if impl not in ("cudnn", "mosaic"):
         return
     if impl == "cudnn" and deterministic_run(execution):
-        raise ConfigError(f"--attention_impl=cudnn with deterministic ops in XLA_FLAGS "
-                          f"({' or '.join(DETERMINISTIC_FLAGS)}): {CUDNN_NOT_DETERMINISTIC}; use "
-                          "--attention_impl=auto, mosaic or pallas")
+        source = ("--deterministic_mode" if execution.deterministic_mode
+                  else f"deterministic ops in XLA_FLAGS ({' or '.join(DETERMINISTIC_FLAGS)})")
+        raise ConfigError(f"--attention_impl=cudnn with {source}: {CUDNN_NOT_DETERMINISTIC}; use "
+                          "--attention_impl=auto (which then skips cuDNN), mosaic or pallas")
     import jax  # noqa: PLC0415  (validating a config of other choices loads no JAX)
 
     from mjax.kernels.device import is_hopper  # noqa: PLC0415
