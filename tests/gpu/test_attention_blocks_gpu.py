@@ -22,5 +22,6 @@ def test_traced_offsets_compile_and_match(window, segments):
 
 @pytest.mark.parametrize("window,segments", [(None, False), (20, True)])
 def test_blockwise_backward_compiles_and_adds_up(window, segments):
+    blocks._whole.cache_clear()  # a reference computed outside the precision scope would be reused
     with jax.default_matmul_precision("float32"):
         blocks.test_blocks_add_up_to_the_whole_gradient("pallas", window, segments)

@@ -1,5 +1,5 @@
 """Backward A/B of one source tree (PYTHONPATH picks it): causal T=4096 (B=8) and 8192 (B=4), packed 8192;
-ms of forward, backward, the dk/dv kernel alone, cuDNN f+b in the same process; output hashes."""
+ms of forward, backward, the dk/dv stage (its kernel, XLA's delta and block runs), cuDNN f+b in the same process; output hashes."""
 import hashlib, sys
 from mjax.xla_flags import apply_defaults
 apply_defaults()
