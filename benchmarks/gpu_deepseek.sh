@@ -12,7 +12,7 @@ source "$(dirname "$0")/gpu_bench.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   echo "== GPU tests of the blockwise grouped kernels"
-  JAX_PLATFORMS=cuda timeout 200 $PY -m pytest -q -rs -m gpu tests/unit/test_grouped_matmul_fp8_blockwise.py -p no:cacheprovider \
+  JAX_PLATFORMS=cuda timeout 200 $PY -m pytest -q -rs -m gpu tests/gpu/test_grouped_matmul_fp8_gpu.py -k blockwise -p no:cacheprovider \
     >"$LOGS/tests.log" 2>&1 || status=1
   tail -15 "$LOGS/tests.log"
 fi

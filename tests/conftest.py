@@ -22,17 +22,25 @@ if os.environ["JAX_PLATFORMS"] != "cpu" and "PYTEST_XDIST_WORKER_COUNT" in os.en
 # No suite-wide persistent compilation cache: on XLA:CPU (jax 0.12) an executable of the fused cross-entropy step
 # reloaded from the cache aborts the process (compiled fresh it runs), so a shared cache makes runs flaky.
 
+from pathlib import Path  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+GPU_TIER = Path(__file__).resolve().parent / "gpu"
+
 
 def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    # the GPU tier is one folder, so that the GPU machine's command (`-m gpu tests/gpu`) finds every GPU test
+    misplaced = [item.nodeid for item in gpu if GPU_TIER not in Path(item.path).resolve().parents]
+    if misplaced:
+        raise pytest.UsageError(f"gpu-marked tests outside tests/gpu: {', '.join(misplaced)}")
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
