@@ -75,7 +75,7 @@ class ContextParallelAttention:
     comm_type: str = "p2p"  # --cp_comm_type
     a2a_size: int | None = None  # a2a+p2p: ranks of each all-to-all group (--hierarchical_context_parallel_sizes)
     load_balanced: bool = True  # False: contiguous chunks (the naive ring; benchmarks)
-    deterministic: bool = False  # compiled with deterministic ops: the kernel choice skips those failing under them
+    deterministic: bool = False  # --deterministic_mode (a per-compile option; the dispatch reads XLA_FLAGS itself)
 
     def __call__(self, q, k, v, *, causal=True, sliding_window=None, segment_ids=None, scale=None, impl="auto"):
         """q [B, T, N, H], k/v [B, T, K, H] in the context layout, segment_ids [B, T] or None -> out [B, T, N, H]."""

@@ -17,7 +17,6 @@ from mjax.model.moe import MoE
 from mjax.model.transformer import STACKS
 from mjax.parallel.remat import LayerRunner
 from mjax.sharding import single_device
-from mjax.xla_flags import deterministic_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,7 @@ def _residuals(model_cfg, precision, execution, seq: int, nested_moe: bool = Fal
     """nested_*: the region runs in a shard_map nested in the pipeline's, which JAX cannot lower with saved
     residuals, so the code checkpoints it (its inputs are kept, the rest recomputed)."""
     attention = functools.partial(_checkpointed_attention if nested_attention else dot_product_attention,
-                                  deterministic=deterministic_run(execution))  # the kernel training would choose
+                                  deterministic=execution.deterministic_mode)  # the kernel training would choose
     model = build_model(model_cfg, precision, execution, LayerRunner(execution),
                         _checkpointed_dispatch if nested_moe else None, attention)
     params = model.abstract_params()

@@ -142,7 +142,7 @@ def build(cfg, devices=None) -> Setup:
     model = build_model(cfg.model, cfg.precision, cfg.execution, LayerRunner(cfg.execution),
                         TokenDispatcher(p.moe_token_dispatcher_type, cfg.execution.moe_alltoall_impl),
                         ContextParallelAttention(p.cp_comm_type, (p.hierarchical_context_parallel_sizes or (None,))[0],
-                                                 deterministic=deterministic_run(cfg.execution)))
+                                                 deterministic=cfg.execution.deterministic_mode))
     schedule = lr_schedule(cfg.optimizer, cfg.train.train_iters)
     tx = make_optimizer(cfg.optimizer, schedule)
     abstract_params = model.abstract_params()

@@ -105,3 +105,23 @@ def test_pallas_through_dispatch_under_jit_and_grad():
 
     for got, want in zip(loss("pallas")(q, k, v), loss("xla")(q, k, v)):
         np.testing.assert_allclose(got, want, atol=5e-5, rtol=5e-5)
+
+
+def test_deterministic_ops_in_xla_flags_reach_every_call(monkeypatch):
+    """A caller that passes no `deterministic` (generation, user code) still skips cuDNN when XLA_FLAGS asks for
+    deterministic ops, and an explicit cuDNN is refused by name."""
+    from mjax.kernels.attention import dispatch  # noqa: PLC0415
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    choose = lambda impl: dispatch._choose(impl, q, q, causal=True, sliding_window=None,  # noqa: E731
+                                           segment_ids=None, return_lse=False, offset=None)
+    assert choose("auto") == "cudnn"
+    for flag in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_exclude_nondeterministic_ops"):
+        monkeypatch.setenv("XLA_FLAGS", f"--xla_gpu_enable_triton_gemm=false {flag}")
+        assert choose("auto") == "mosaic", flag
+        with pytest.raises(AttentionUnsupported, match="deterministic ops"):
+            choose("cudnn")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert choose("auto") == "cudnn"

@@ -15,6 +15,7 @@ from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.attention.reference import reference_attention, reference_attention_backward
 from mjax.kernels.device import is_hopper
 from mjax.kernels.options import ATTENTION_IMPLS, CUDNN_NOT_DETERMINISTIC
+from mjax.xla_flags import deterministic_ops_in_xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +142,13 @@ def check_call(q, k, v, *, sliding_window=None, segment_ids=None) -> None:
 
 
 def _choose(impl, q, k, *, causal, sliding_window, segment_ids, return_lse, offset, deterministic=False) -> str:
+    # deterministic ops in XLA_FLAGS reach every caller (generation, user code); --deterministic_mode, a per-compile
+    # option, only through `deterministic`
     chosen = choose_impl(impl, backend=jax.default_backend(), dtype=q.dtype, head_dim=q.shape[-1],
                          segment_ids=segment_ids is not None, return_lse=return_lse, causal=causal,
                          sliding_window=sliding_window, q_len=q.shape[1], kv_len=k.shape[1],
-                         offset=offset is not None, hopper=is_hopper(), deterministic=deterministic)
+                         offset=offset is not None, hopper=is_hopper(),
+                         deterministic=deterministic or deterministic_ops_in_xla_flags())
     _log_choice(impl, chosen, q.shape, str(q.dtype))
     return chosen
 
@@ -153,7 +157,8 @@ def dot_product_attention(q, k, v, *, causal=True, sliding_window=None, segment_
                           impl="auto", return_lse=False, offset=None, deterministic=False):
     """Dispatches to the implementation `impl` names (or `auto` picks); raises AttentionUnsupported otherwise.
     offset: query i sits at key position i + offset (default S - T); a traced value is one block of context
-    parallelism's attention. deterministic: compiled with XLA's deterministic ops (--deterministic_mode)."""
+    parallelism's attention. deterministic: compiled with XLA's deterministic ops (--deterministic_mode; those in
+    XLA_FLAGS are read here)."""
     check_call(q, k, v, sliding_window=sliding_window, segment_ids=segment_ids)
     chosen = _choose(impl, q, k, causal=causal, sliding_window=sliding_window, segment_ids=segment_ids,
                      return_lse=return_lse, offset=offset, deterministic=deterministic)
