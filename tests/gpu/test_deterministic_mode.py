@@ -3,8 +3,8 @@ picks then (Mosaic on Hopper: cuDNN's attention fails at run time under XLA's de
 refuses it by name and auto skips it) and the Triton one.
 
 Without the flag, runs with cuDNN's attention did not agree; runs of this test's model with the Mosaic or Triton
-kernel agreed without it too on an H200 (docs/performance.md, "Determinism"), so the test catches runs with the
-flag that stop repeating, not yet runs that would part without it.
+kernel agreed without it too (H200; H100 also with a 512-token vocabulary: docs/performance.md, "Determinism"), so
+the test catches runs with the flag that stop repeating, not runs that would part without it.
 tests/integration/test_deterministic_mode.py checks on CPU that every compile of a run takes the options.
 
     JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests/gpu/test_deterministic_mode.py -q
