@@ -6,6 +6,9 @@ last group empty) distributions of the rows. One table (TFLOP/s and fraction of 
     python -m benchmarks.bench_grouped_matmul --check --json_out=gmm.json
     python -m benchmarks.bench_grouped_matmul --nomain --tilings=128x128x64w4s4,128x256x64w8s3
 
+--passes=N times the dense GEMM and the main table N times over, case after case, and reports the median pass with
+each row's ratio to the dense GEMM taken within a pass (the GPU's clock drifts over a long run: one kernel timed
+twice in one process moved 14%); the target checks use --passes=3.
 --tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
 plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
@@ -32,7 +35,6 @@ alone on operands quantized beforehand ("blockwise kernels") and the dense block
 
 import functools
 import json
-import os
 
 from absl import flags
 
@@ -74,6 +76,8 @@ flags.DEFINE_string("tilings", "", "Comma-separated KernelTiles (BMxBNxBKwWARPSs
                     "with; prints the best per shape.")
 flags.DEFINE_bool("check", False, "Compare pallas with ragged_dot and per-group jnp.dot (max abs error / max |ref|).")
 flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
+flags.DEFINE_integer("passes", 1, "Times the dense GEMM and the main table this many times over, one case after "
+                     "another; rows report the median pass (FP8 kernel rows and the sweep: one pass).", lower_bound=1)
 flags.DEFINE_string("json_out", "", "Write every row as JSON here (rewritten after each shape).")
 flags.DEFINE_bool("smoke", False, "Tiny shapes, kernels interpreted: checks the script off GPU.")
 flags.DEFINE_bool("fp8", False, "Add the per-tensor FP8 grouped matmul, its kernels alone and the dense FP8 GEMM; "
@@ -100,40 +104,62 @@ def time_or_error(fn, *args):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def main_rows(shape, dists, dense):
+def main_impls(shape):
+    """(name, fn(x, w, group_sizes)) of the main table's grouped matmuls at this shape."""
     g, r, n, k = shape
-    dtype = jnp.dtype(FLAGS.dtype)
-    x, w, dy = operands(g, r, n, k, dtype)
     impls = [("pallas", lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))]
     if use_mosaic():
         impls.append(("mosaic", lambda x, w, gs: grouped_matmul(x, w, gs, impl="mosaic")))
     if FLAGS.ragged_dot:
         impls.append(("ragged_dot", lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla")))
     if FLAGS.fp8:
+        x, w, dy = operands(g, r, n, k, jnp.dtype(FLAGS.dtype))
         spec = fp8_spec()
         impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, spec), spec)))
-    blockwise = FLAGS.fp8_blockwise and blockwise_runs(shape)
-    if blockwise:
+    if FLAGS.fp8_blockwise and blockwise_runs(shape):
         impls.append(("pallas fp8 blockwise", bw_cases.training_call(FLAGS.fp8_format)))
-    rows = []
-    for name, fn in impls:  # one compile per implementation: the group sizes are run-time values
+    return impls
+
+
+def main_table(shape, dists, with_impls: bool):
+    """The dense GEMM's row (the ceiling), then with_impls the main table's rows: each case's forward and forward +
+    backward timed once per pass, FLAGS.passes passes over all cases in turn (the GPU's clock drifts over a
+    sustained run, so a case timed in one go against a ceiling timed minutes before can be off by 15%). A row holds
+    the median pass's times and, as 'of dense', the median of each pass's ratio to that pass's dense GEMM; with
+    more than one pass also the ratios' [min, max] ('*_of_dense_range')."""
+    g, r, n, k = shape
+    x, w, dy = operands(g, r, n, k, jnp.dtype(FLAGS.dtype))
+    w0 = w[0]  # [K, N], its own operand: a gradient into w[0] of [G, K, N] would add a memset of all of w
+    dense_fwd, dense_both = fwd_and_bwd(lambda x, w0, gs: jnp.dot(x, w0))
+    cases = [("dense jnp.dot (ceiling)", "-", 2 * g * r * k * n, (dense_fwd, x, w0, None),
+              (dense_both, x, w0, None, dy))]
+    for name, fn in main_impls(shape) if with_impls else []:  # one compile per implementation: sizes are run-time
         fwd, both = fwd_and_bwd(fn)
         for dist in dists:
             sizes = group_sizes(dist, g, r)
             gs = jnp.asarray(sizes)
-            flop = 2 * int(sizes.sum()) * k * n
-            t_fwd, err_fwd = time_or_error(fwd, x, w, gs)
-            t_both, err_both = time_or_error(both, x, w, gs, dy)
-            row = {"shape": list(shape), "dist": dist, "impl": name, "error": err_fwd or err_both}
-            for mode, t, mult in (("fwd", t_fwd, 1), ("fwd_bwd", t_both, 3)):
-                if t is not None:
-                    row[f"{mode}_ms"] = t * 1e3
-                    row[f"{mode}_tflops"] = tflops(mult * flop, t)
-                    row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
-            rows.append(row)
-            print_row(row)
-    rows += fp8_kernel_rows(shape, dists, dense) if FLAGS.fp8 else []
-    return rows + (blockwise_kernel_rows(shape, dists, dense) if blockwise else [])
+            cases.append((name, dist, 2 * int(sizes.sum()) * k * n, (fwd, x, w, gs), (both, x, w, gs, dy)))
+    passes = [[(time_or_error(*fwd), time_or_error(*both)) for *_, fwd, both in cases] for _ in range(FLAGS.passes)]
+    dense_error = next((e for p in passes for _, e in p[0] if e), None)
+    if dense_error:  # every ratio needs it
+        raise RuntimeError(f"the dense GEMM at {'x'.join(map(str, shape))} failed: {dense_error}")
+    rows = []
+    for c, (name, dist, flop, *_) in enumerate(cases):
+        row = {"shape": list(shape), "dist": dist, "impl": name, "passes": FLAGS.passes,
+               "error": next((e for p in passes for _, e in p[c] if e), None)}
+        for m, (mode, mult) in enumerate((("fwd", 1), ("fwd_bwd", 3))):
+            ok = [(p[c][m][0], p[0][m][0]) for p in passes if p[c][m][0] is not None]
+            if not ok:
+                continue
+            t = float(np.median([t for t, _ in ok]))
+            ratios = [dense_t / t for t, dense_t in ok]  # = TFLOP/s over the dense TFLOP/s (equal FLOPs)
+            row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t),
+                        f"{mode}_of_dense": float(np.median(ratios))})
+            if FLAGS.passes > 1:
+                row[f"{mode}_of_dense_range"] = [min(ratios), max(ratios)]
+        rows.append(row)
+        print_row(row)
+    return rows
 
 
 def use_mosaic() -> bool:
@@ -228,22 +254,6 @@ def dense_blockwise_row(shape, dense):
         if t is not None:
             row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t)})
             row[f"{mode}_of_dense"] = row[f"{mode}_tflops"] / dense[f"{mode}_tflops"]
-    print_row(row)
-    return row
-
-
-def dense_row(shape):
-    g, r, n, k = shape
-    dtype = jnp.dtype(FLAGS.dtype)
-    x, w, dy = operands(g, r, n, k, dtype)
-    w0 = w[0]  # [K, N], its own operand: a gradient into w[0] of [G, K, N] would add a memset of all of w
-    fwd, both = fwd_and_bwd(lambda x, w0, gs: jnp.dot(x, w0))
-    flop = 2 * g * r * k * n
-    t_fwd = time_fn(fwd, x, w0, None, min_s=FLAGS.min_time_s)
-    t_both = time_fn(both, x, w0, None, dy, min_s=FLAGS.min_time_s)
-    row = {"shape": list(shape), "dist": "-", "impl": "dense jnp.dot (ceiling)", "error": None,
-           "fwd_ms": t_fwd * 1e3, "fwd_tflops": tflops(flop, t_fwd), "fwd_of_dense": 1.0,
-           "fwd_bwd_ms": t_both * 1e3, "fwd_bwd_tflops": tflops(3 * flop, t_both), "fwd_bwd_of_dense": 1.0}
     print_row(row)
     return row
 
@@ -405,14 +415,18 @@ def main():
                            else "")
         mosaic_tiles = f"; mosaic default {default_mosaic_tiling(k, n)}" if use_mosaic() else ""
         print(f"\n{'x'.join(map(str, shape))}: default {tiling}{mosaic_tiles}{blockwise_tiles}\n{HEADER}", flush=True)
-        dense = dense_row(shape)
+        table = main_table(shape, FLAGS.dists, FLAGS.main)
+        dense = table[0]
         report["main"].append(dense)
         if FLAGS.fp8:
             report["main"].append(dense_fp8_row(shape, dense))
         if FLAGS.fp8_blockwise and FLAGS.main and blockwise_runs(shape):
             report["main"].append(dense_blockwise_row(shape, dense))
-        if FLAGS.main:
-            report["main"] += main_rows(shape, FLAGS.dists, dense)
+        report["main"] += table[1:]
+        if FLAGS.main and FLAGS.fp8:
+            report["main"] += fp8_kernel_rows(shape, FLAGS.dists, dense)
+        if FLAGS.main and FLAGS.fp8_blockwise and blockwise_runs(shape):
+            report["main"] += blockwise_kernel_rows(shape, FLAGS.dists, dense)
         if tiles:
             rows, best = sweep_rows(shape, FLAGS.dists, tiles, dense)
             report["sweep"] += rows

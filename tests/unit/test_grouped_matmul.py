@@ -306,12 +306,21 @@ def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
     out = tmp_path / "gmm.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_grouped_matmul", "--shapes=4x40x64x32", "--check",
                            "--min_time_s=0.001", "--dists=balanced,skewed,empty", "--tilings=16x16x16w4s3",
-                           f"--json_out={out}"], capture_output=True, text=True, timeout=600,
+                           "--passes=2", f"--json_out={out}"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": "."})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "check: all PASS" in proc.stdout
     report = json.loads(out.read_text())
     assert {r["impl"] for r in report["main"]} == {"dense jnp.dot (ceiling)", "pallas", "ragged_dot"}
+    assert len(report["main"]) == 1 + 2 * 3  # the dense GEMM; each implementation at each distribution, once
+    for row in report["main"]:  # the median pass and the spread of both passes' ratios to their dense GEMM
+        assert row["passes"] == 2 and not row["error"]
+        for mode in ("fwd", "fwd_bwd"):
+            low, high = row[f"{mode}_of_dense_range"]
+            assert low <= row[f"{mode}_of_dense"] <= high
+            dense_ms = report["main"][0][f"{mode}_ms"]
+            assert row[f"{mode}_tflops"] == pytest.approx(report["main"][0][f"{mode}_tflops"] * dense_ms
+                                                          / row[f"{mode}_ms"])  # equal FLOPs at these sizes
     assert all(r["ok"] for r in report["check"])
     assert {r["dist"] for r in report["check"]} == {"balanced", "skewed", "empty", "padded"}
     assert set(report["best_tiles"]["4x40x64x32"]) == {"forward", "dgrad", "wgrad"}
