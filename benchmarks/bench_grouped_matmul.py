@@ -7,8 +7,8 @@ last group empty) distributions of the rows. One table (TFLOP/s and fraction of 
     python -m benchmarks.bench_grouped_matmul --nomain --tilings=128x128x64w4s4,128x256x64w8s3
 
 --passes=N times the dense GEMM and the main table N times over, case after case, and reports the median pass with
-each row's ratio to the dense GEMM taken within a pass (the GPU's clock drifts over a long run: one kernel timed
-twice in one process moved 14%); the target checks use --passes=3.
+each row's ratio to the dense GEMM taken within a pass (timings drift over a long run: one kernel timed twice in one
+process differed by 13.5%); the target checks use --passes=3.
 --tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
 plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
@@ -50,8 +50,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks import fp8_blockwise_grouped_cases as bw_cases  # noqa: E402
 from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
-from benchmarks.grouped_cases import (check_against, fwd_and_bwd, group_sizes, operands,  # noqa: E402
-                                      per_group_dot, tflops)
+from benchmarks.grouped_cases import (check_against, fwd_and_bwd, group_sizes, median_rows,  # noqa: E402
+                                      operands, per_group_dot, tflops)
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling, why_unsupported)
@@ -123,10 +123,8 @@ def main_impls(shape):
 
 def main_table(shape, dists, with_impls: bool):
     """The dense GEMM's row (the ceiling), then with_impls the main table's rows: each case's forward and forward +
-    backward timed once per pass, FLAGS.passes passes over all cases in turn (the GPU's clock drifts over a
-    sustained run, so a case timed in one go against a ceiling timed minutes before can be off by 15%). A row holds
-    the median pass's times and, as 'of dense', the median of each pass's ratio to that pass's dense GEMM; with
-    more than one pass also the ratios' [min, max] ('*_of_dense_range')."""
+    backward timed once per pass, FLAGS.passes passes over all cases in turn (timings drift over a long run: one
+    kernel timed twice in one process differed by 13.5%), summarised by grouped_cases.median_rows."""
     g, r, n, k = shape
     x, w, dy = operands(g, r, n, k, jnp.dtype(FLAGS.dtype))
     w0 = w[0]  # [K, N], its own operand: a gradient into w[0] of [G, K, N] would add a memset of all of w
@@ -139,25 +137,17 @@ def main_table(shape, dists, with_impls: bool):
             sizes = group_sizes(dist, g, r)
             gs = jnp.asarray(sizes)
             cases.append((name, dist, 2 * int(sizes.sum()) * k * n, (fwd, x, w, gs), (both, x, w, gs, dy)))
-    passes = [[(time_or_error(*fwd), time_or_error(*both)) for *_, fwd, both in cases] for _ in range(FLAGS.passes)]
-    dense_error = next((e for p in passes for _, e in p[0] if e), None)
-    if dense_error:  # every ratio needs it
-        raise RuntimeError(f"the dense GEMM at {'x'.join(map(str, shape))} failed: {dense_error}")
-    rows = []
-    for c, (name, dist, flop, *_) in enumerate(cases):
-        row = {"shape": list(shape), "dist": dist, "impl": name, "passes": FLAGS.passes,
-               "error": next((e for p in passes for _, e in p[c] if e), None)}
-        for m, (mode, mult) in enumerate((("fwd", 1), ("fwd_bwd", 3))):
-            ok = [(p[c][m][0], p[0][m][0]) for p in passes if p[c][m][0] is not None]
-            if not ok:
-                continue
-            t = float(np.median([t for t, _ in ok]))
-            ratios = [dense_t / t for t, dense_t in ok]  # = TFLOP/s over the dense TFLOP/s (equal FLOPs)
-            row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t),
-                        f"{mode}_of_dense": float(np.median(ratios))})
-            if FLAGS.passes > 1:
-                row[f"{mode}_of_dense_range"] = [min(ratios), max(ratios)]
-        rows.append(row)
+    passes = []
+    for _ in range(FLAGS.passes):
+        times = []
+        for *_, fwd, both in cases:
+            times.append((time_or_error(*fwd), time_or_error(*both)))
+            dense_error = times[0][0][1] or times[0][1][1]
+            if dense_error:  # every ratio needs it
+                raise RuntimeError(f"the dense GEMM at {'x'.join(map(str, shape))} failed: {dense_error}")
+        passes.append(times)
+    rows = median_rows(shape, [case[:3] for case in cases], passes)
+    for row in rows:
         print_row(row)
     return rows
 

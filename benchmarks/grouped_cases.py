@@ -1,6 +1,6 @@
 """The grouped-matmul benchmark's cases: row distributions over the groups, random operands, the per-group
 reference for --check and the comparison against it, jit'ed forward and forward + backward of a grouped matmul,
-and the TFLOP/s of a timing."""
+the TFLOP/s of a timing and the table's rows from several passes of timings."""
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +90,31 @@ def check_against(shape, dist, sizes, got, refs: dict, args, dtype: str) -> list
         print(f"{label} vs {ref_name:18} max err / max |ref|: y {row['y']:.2e} dx {row['dx']:.2e} dw {row['dw']:.2e} "
               f"(tolerance {tol:.1e}); padding rows zero: {row['padding_zero']}  {'PASS' if row['ok'] else 'FAIL'}",
               flush=True)
+    return rows
+
+
+def median_rows(shape, cases, passes) -> list[dict]:
+    """Table rows from timings of several passes. cases: (impl, dist, FLOPs of one GEMM) each, the dense GEMM first;
+    passes: per pass, per case, ((forward seconds or None, error), (forward + backward seconds or None, error)).
+    A row holds the median of its passes' times (of an even count, the mean of the middle two) and, as 'of dense',
+    the median of each pass's TFLOP/s over that pass's dense TFLOP/s; with several passes also those ratios'
+    [min, max] ('*_of_dense_range'); 'error' the first error of any pass (its pass left out)."""
+    rows = []
+    dense_flop = cases[0][2]
+    for c, (name, dist, flop) in enumerate(cases):
+        row = {"shape": list(shape), "dist": dist, "impl": name, "passes": len(passes),
+               "error": next((e for p in passes for _, e in p[c] if e), None)}
+        for m, (mode, mult) in enumerate((("fwd", 1), ("fwd_bwd", 3))):
+            ok = [(p[c][m][0], p[0][m][0]) for p in passes if p[c][m][0] is not None]
+            if not ok:
+                continue
+            t = float(np.median([t for t, _ in ok]))
+            ratios = [(flop / t) / (dense_flop / dense_t) for t, dense_t in ok]
+            row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t),
+                        f"{mode}_of_dense": float(np.median(ratios))})
+            if len(passes) > 1:
+                row[f"{mode}_of_dense_range"] = [min(ratios), max(ratios)]
+        rows.append(row)
     return rows
 
 
