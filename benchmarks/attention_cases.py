@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.harness import time_fn
 
@@ -33,3 +34,10 @@ def rate(row, prefix, flop, seconds, ceiling):
     row[f"{prefix}ms"] = seconds * 1e3
     row[f"{prefix}tflops"] = flop / seconds / 1e12
     row[f"{prefix}of_ceiling"] = row[f"{prefix}tflops"] / ceiling
+
+
+def pass_speedups(mine, reference):
+    """(median, [min, max]) over the passes where both ran of reference seconds / mine (> 1: mine is faster; a ratio
+    within one pass, so a clock drifting between passes cancels), or None if no pass ran both."""
+    ratios = [r / m for m, r in zip(mine, reference) if m is not None and r is not None]
+    return (float(np.median(ratios)), [min(ratios), max(ratios)]) if ratios else None

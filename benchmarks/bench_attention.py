@@ -15,6 +15,9 @@ run. One table and JSON.
 2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
    (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
    then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
+   --passes=N times each case's implementations N times over, one after another: rows hold the median times and
+   each kernel's speed-up over cuDNN as the median of the passes' own ratios (`*_x_cudnn`, with their range);
+   the target checks use --passes=3.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
 (the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
 kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
@@ -36,7 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.attention_cases import DTYPE, causal_flops, inputs, rate, time_or_error  # noqa: E402
+from benchmarks.attention_cases import (DTYPE, causal_flops, inputs, pass_speedups, rate,  # noqa: E402
+                                       time_or_error)
 from benchmarks.harness import matmul_ceiling_tflops  # noqa: E402
 from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
 from mjax.kernels.attention.flash import flash_attention  # noqa: E402
@@ -63,6 +67,8 @@ flags.DEFINE_integer("tokens", 32768, "Batch * seq of each table row.")
 flags.DEFINE_integer("skip_xla_bwd_over", 4096, "Skip xla's forward + backward above this seq (it materialises "
                      "the T x T logits and their gradient: at 8192 more than an H200 holds).")
 flags.DEFINE_float("min_time_s", 0.25, "Timed seconds per case (after compile and one warm-up call).")
+flags.DEFINE_integer("passes", 1, "Times each table case's implementations this many times over, one after another; "
+                     "rows report the median and, against cuDNN, the median of each pass's speed-up.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 HEAD_DIM = 128
@@ -216,6 +222,7 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
         seg = packed_segments(b, t) if packed else None
         flop = causal_flops(b, t, n, h, window)
         kernels = [i for i in ("mosaic", "pallas") if i in blocks]
+        impls = []
         for impl in kernels if packed else kernels + ["cudnn", "xla"]:
             if impl == "cudnn":
                 reason = why_unsupported("cudnn", backend=jax.default_backend(), dtype=DTYPE, head_dim=h,
@@ -225,18 +232,31 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
                     cudnn_skips.append({"seq": t, "window": window, "reason": reason})
                     print(f"| cudnn{f' window={window}' if window else '':23} | {t:6d} | skipped: {reason}", flush=True)
                     continue
+            impls.append(impl)
+        fns = {impl: attention_fns(impl, blocks.get(impl), interpret, window) for impl in impls}
+        skip_bwd = {impl: impl == "xla" and t > skip_xla_bwd_over for impl in impls}
+        times = {impl: [] for impl in impls}  # per pass: (forward s, forward + backward s, error)
+        for _ in range(FLAGS.passes):  # every implementation once a pass: the clock drifts over a long run
+            for impl in impls:
+                fwd, fwd_bwd = fns[impl]
+                f, err = time_or_error(fwd, q, k, v, seg, min_s=FLAGS.min_time_s)
+                fb = None
+                if f is not None and not skip_bwd[impl]:
+                    fb, err = time_or_error(fwd_bwd, q, k, v, seg, do, min_s=FLAGS.min_time_s)
+                times[impl].append((f, fb, err))
+        for impl in impls:
             label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
-                   "fwd_bwd_skipped": impl == "xla" and t > skip_xla_bwd_over}
-            fwd, fwd_bwd = attention_fns(impl, blocks.get(impl), interpret, window)
-            seconds, err = time_or_error(fwd, q, k, v, seg, min_s=FLAGS.min_time_s)
-            if seconds is not None:
-                rate(row, "fwd_", flop, seconds, ceiling)
-                if not row["fwd_bwd_skipped"]:
-                    seconds, err = time_or_error(fwd_bwd, q, k, v, seg, do, min_s=FLAGS.min_time_s)
-                    if seconds is not None:
-                        rate(row, "fwd_bwd_", 3.5 * flop, seconds, ceiling)
-            row["error"] = err
+                   "fwd_bwd_skipped": skip_bwd[impl], "passes": FLAGS.passes,
+                   "error": next((e for *_, e in times[impl] if e), None)}
+            for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
+                ran = [p[m] for p in times[impl] if p[m] is not None]
+                if ran:
+                    rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)
+                versus = pass_speedups([p[m] for p in times[impl]], [p[m] for p in times["cudnn"]]) \
+                    if "cudnn" in times and impl != "cudnn" else None
+                if versus:
+                    row[f"{prefix}x_cudnn"], row[f"{prefix}x_cudnn_range"] = versus
             rows.append(row)
             print_table_row(row)
 
@@ -257,7 +277,9 @@ def print_table_row(row):
         else:
             cells.append(f"{'skipped' if prefix == 'fwd_bwd_' and row['fwd_bwd_skipped'] else '-':>9} | "
                          f"{'-':>8} | {'-':>7}")
-    tail = f" {row['error']}" if row["error"] else ""
+    versus = [f"{what} {row[key]:.3f}x" for what, key in (("fwd", "fwd_x_cudnn"), ("f+b", "fwd_bwd_x_cudnn"))
+              if key in row]
+    tail = (f" vs cuDNN: {', '.join(versus)}" if versus else "") + (f" {row['error']}" if row["error"] else "")
     print(f"| {row['label']:28} | {row['seq']:6d} | {row['batch']:4d} | {cells[0]} | {cells[1]} |{tail}", flush=True)
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.attention_cases import pass_speedups
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,11 +29,19 @@ def causal_pairs(t, window):
 
 
 
+def test_pass_speedups_are_taken_within_each_pass():
+    """A clock that halves in the third pass changes no ratio; a pass where either side failed is left out."""
+    mine, cudnn = [1.0, 1.0, 2.0, None, 1.0], [1.1, 1.2, 2.2, 1.0, None]
+    median, (low, high) = pass_speedups(mine, cudnn)
+    assert median == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.2)
+    assert pass_speedups([None, 1.0], [1.0, None]) is None
+
+
 @pytest.mark.slow  # ~15 s on 2 cores, more when loaded: ~13 interpreted kernel compiles
 def test_smoke_run_prints_the_ceiling_and_writes_every_row(tmp_path):
     out = tmp_path / "attention.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention", "--smoke", "--seqs=128",
-                           "--min_time_s=0.001", f"--json_out={out}"],
+                           "--min_time_s=0.001", "--passes=2", f"--json_out={out}"],
                           cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -71,6 +81,7 @@ def test_smoke_run_prints_the_ceiling_and_writes_every_row(tmp_path):
     assert proc.stdout.count("| cudnn") == 2 and "skipped: cudnn needs a GPU" in proc.stdout
     for r in rows:
         assert r["error"] is None, r
+        assert r["passes"] == 2 and "fwd_x_cudnn" not in r  # no cuDNN off GPU: no speed-up against it
         assert r["batch"] == max(1, shape["tokens"] // r["seq"])
         flop = 4 * r["batch"] * n * causal_pairs(r["seq"], r["window"]) * h
         modes = [("fwd_", 1.0)] + ([] if r["fwd_bwd_skipped"] else [("fwd_bwd_", 3.5)])
