@@ -1,4 +1,5 @@
-"""Attention benchmark cases shared by bench_attention and bench_context_parallel: inputs, FLOP counts, timing."""
+"""Attention benchmark cases shared by bench_attention and bench_context_parallel: inputs, FLOP counts, timing,
+and a table row summarised from several passes of timings."""
 
 import jax
 import jax.numpy as jnp
@@ -41,3 +42,20 @@ def pass_speedups(mine, reference):
     within one pass, so a clock drifting between passes cancels), or None if no pass ran both."""
     ratios = [r / m for m, r in zip(mine, reference) if m is not None and r is not None]
     return (float(np.median(ratios)), [min(ratios), max(ratios)]) if ratios else None
+
+
+def summarise_passes(row, times, cudnn_times, flop, ceiling):
+    """row with the passes' timings (per pass: forward s, forward + backward s, error; None where not run): the
+    median times as rates, the first error, and with cudnn_times (the same passes of cuDNN) the kernel's speed-up
+    over cuDNN, the median of the passes' own ratios ('*_x_cudnn'; with several passes also their range)."""
+    row.update(passes=len(times), error=next((e for *_, e in times if e), None))
+    for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
+        ran = [p[m] for p in times if p[m] is not None]
+        if ran:
+            rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)
+        versus = pass_speedups([p[m] for p in times], [p[m] for p in cudnn_times]) if cudnn_times else None
+        if versus:
+            row[f"{prefix}x_cudnn"] = versus[0]
+            if len(times) > 1:
+                row[f"{prefix}x_cudnn_range"] = versus[1]
+    return row

@@ -15,9 +15,9 @@ run. One table and JSON.
 2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
    (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
    then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
-   --passes=N times each case's implementations N times over, one after another: rows hold the median times and
-   each kernel's speed-up over cuDNN as the median of the passes' own ratios (`*_x_cudnn`, with their range);
-   the target checks use --passes=3.
+   --passes=N times each case's implementations N times over, one after another: rows hold the median of their
+   passes' times and each kernel's speed-up over cuDNN as the median of the passes' own ratios (`*_x_cudnn`,
+   with their range); the target checks use --passes=3.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
 (the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
 kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.attention_cases import (DTYPE, causal_flops, inputs, pass_speedups, rate,  # noqa: E402
+from benchmarks.attention_cases import (DTYPE, causal_flops, inputs, rate, summarise_passes,  # noqa: E402
                                        time_or_error)
 from benchmarks.harness import matmul_ceiling_tflops  # noqa: E402
 from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
@@ -247,18 +247,10 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
         for impl in impls:
             label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
-                   "fwd_bwd_skipped": skip_bwd[impl], "passes": FLAGS.passes,
-                   "error": next((e for *_, e in times[impl] if e), None)}
-            for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
-                ran = [p[m] for p in times[impl] if p[m] is not None]
-                if ran:
-                    rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)
-                versus = pass_speedups([p[m] for p in times[impl]], [p[m] for p in times["cudnn"]]) \
-                    if "cudnn" in times and impl != "cudnn" else None
-                if versus:
-                    row[f"{prefix}x_cudnn"], row[f"{prefix}x_cudnn_range"] = versus
-            rows.append(row)
-            print_table_row(row)
+                   "fwd_bwd_skipped": skip_bwd[impl]}
+            versus = times.get("cudnn") if impl in kernels else None
+            rows.append(summarise_passes(row, times[impl], versus, flop, ceiling))
+            print_table_row(rows[-1])
 
 
 def table_header(ceiling, heads):

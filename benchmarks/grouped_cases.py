@@ -95,7 +95,8 @@ def check_against(shape, dist, sizes, got, refs: dict, args, dtype: str) -> list
 
 def median_rows(shape, cases, passes) -> list[dict]:
     """Table rows from timings of several passes. cases: (impl, dist, FLOPs of one GEMM) each, the dense GEMM first;
-    passes: per pass, per case, ((forward seconds or None, error), (forward + backward seconds or None, error)).
+    passes: per pass, per case, ((forward seconds or None, error), (forward + backward seconds or None, error)),
+    the dense GEMM's seconds never None (the caller stops the table if it fails).
     A row holds the median of its passes' times (of an even count, the mean of the middle two) and, as 'of dense',
     the median of each pass's TFLOP/s over that pass's dense TFLOP/s; with several passes also those ratios'
     [min, max] ('*_of_dense_range'); 'error' the first error of any pass (its pass left out)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.attention_cases import pass_speedups
+from benchmarks.attention_cases import pass_speedups, summarise_passes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +35,21 @@ def test_pass_speedups_are_taken_within_each_pass():
     median, (low, high) = pass_speedups(mine, cudnn)
     assert median == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.2)
     assert pass_speedups([None, 1.0], [1.0, None]) is None
+
+
+def test_a_kernels_row_holds_its_median_times_and_its_speedup_over_cudnn_within_each_pass():
+    # seconds (forward, forward + backward, error) over three passes, the clock halving in the last; the kernel's
+    # forward + backward failed in the second
+    kernel = [(1.0, 4.0, None), (1.0, None, "OOM"), (2.0, 8.0, None)]
+    cudnn = [(1.1, 4.4, None), (1.2, 4.8, None), (2.2, 8.8, None)]
+    row = summarise_passes({}, kernel, cudnn, flop=1e12, ceiling=10.0)
+    assert row["passes"] == 3 and row["error"] == "OOM"
+    assert row["fwd_ms"] == 1000.0 and row["fwd_tflops"] == 1.0 and row["fwd_of_ceiling"] == 0.1
+    assert row["fwd_bwd_ms"] == 6000.0 and row["fwd_bwd_tflops"] == pytest.approx(3.5 / 6.0)
+    assert row["fwd_x_cudnn"] == pytest.approx(1.1) and row["fwd_x_cudnn_range"] == pytest.approx([1.1, 1.2])
+    assert row["fwd_bwd_x_cudnn"] == pytest.approx(1.1)  # the failed pass left out
+    one = summarise_passes({}, kernel[:1], None, flop=1e12, ceiling=10.0)
+    assert one["passes"] == 1 and "fwd_x_cudnn" not in one and "fwd_x_cudnn_range" not in one
 
 
 @pytest.mark.slow  # ~15 s on 2 cores, more when loaded: ~13 interpreted kernel compiles
