@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import time_fn
+from benchmarks.harness import pass_ratios, time_fn
 
 DTYPE = jnp.bfloat16
 
@@ -37,13 +37,6 @@ def rate(row, prefix, flop, seconds, ceiling):
     row[f"{prefix}of_ceiling"] = row[f"{prefix}tflops"] / ceiling
 
 
-def pass_speedups(mine, reference):
-    """(median, [min, max]) over the passes where both ran of reference seconds / mine (> 1: mine is faster; a ratio
-    within one pass, so a clock drifting between passes cancels), or None if no pass ran both."""
-    ratios = [r / m for m, r in zip(mine, reference) if m is not None and r is not None]
-    return (float(np.median(ratios)), [min(ratios), max(ratios)]) if ratios else None
-
-
 def summarise_passes(row, times, cudnn_times, flop, ceiling):
     """row with the passes' timings (per pass: forward s, forward + backward s, error; None where not run): the
     median times as rates, the first error, and with cudnn_times (the same passes of cuDNN) the kernel's speed-up
@@ -53,7 +46,7 @@ def summarise_passes(row, times, cudnn_times, flop, ceiling):
         ran = [p[m] for p in times if p[m] is not None]
         if ran:
             rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)
-        versus = pass_speedups([p[m] for p in times], [p[m] for p in cudnn_times]) if cudnn_times else None
+        versus = pass_ratios([p[m] for p in times], [p[m] for p in cudnn_times]) if cudnn_times else None
         if versus:
             row[f"{prefix}x_cudnn"] = versus[0]
             if len(times) > 1:

@@ -105,16 +105,15 @@ def time_or_error(fn, *args):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def main_impls(shape):
-    """(name, fn(x, w, group_sizes)) of the main table's grouped matmuls at this shape."""
-    g, r, n, k = shape
+def main_impls(shape, x, w, dy):
+    """(name, fn(x, w, group_sizes)) of the main table's grouped matmuls at this shape (x, w, dy: the FP8 call's
+    scales start from their amaxes)."""
     impls = [("pallas", lambda x, w, gs: grouped_matmul(x, w, gs, impl="pallas"))]
     if use_mosaic():
         impls.append(("mosaic", lambda x, w, gs: grouped_matmul(x, w, gs, impl="mosaic")))
     if FLAGS.ragged_dot:
         impls.append(("ragged_dot", lambda x, w, gs: grouped_matmul(x, w, gs, impl="xla")))
     if FLAGS.fp8:
-        x, w, dy = operands(g, r, n, k, jnp.dtype(FLAGS.dtype))
         spec = fp8_spec()
         impls.append((f"pallas fp8 {FLAGS.fp8_recipe}", fp8_cases.training_call(fp8_cases.meta(w, x, dy, spec), spec)))
     if FLAGS.fp8_blockwise and blockwise_runs(shape):
@@ -132,7 +131,7 @@ def main_table(shape, dists, with_impls: bool):
     dense_fwd, dense_both = fwd_and_bwd(lambda x, w0, gs: jnp.dot(x, w0))
     cases = [("dense jnp.dot (ceiling)", "-", 2 * g * r * k * n, (dense_fwd, x, w0, None),
               (dense_both, x, w0, None, dy))]
-    for name, fn in main_impls(shape) if with_impls else []:  # one compile per implementation: sizes are run-time
+    for name, fn in main_impls(shape, x, w, dy) if with_impls else []:  # one compile per implementation: sizes are run-time
         fwd, both = fwd_and_bwd(fn)
         for dist in dists:
             sizes = group_sizes(dist, g, r)

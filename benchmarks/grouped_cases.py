@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import pass_ratios
+
 
 def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
     """int32 [G] summing to G * rows (padded: to 7/8 of it)."""
@@ -106,15 +108,16 @@ def median_rows(shape, cases, passes) -> list[dict]:
         row = {"shape": list(shape), "dist": dist, "impl": name, "passes": len(passes),
                "error": next((e for p in passes for _, e in p[c] if e), None)}
         for m, (mode, mult) in enumerate((("fwd", 1), ("fwd_bwd", 3))):
-            ok = [(p[c][m][0], p[0][m][0]) for p in passes if p[c][m][0] is not None]
-            if not ok:
+            ran = [p[c][m][0] for p in passes if p[c][m][0] is not None]
+            if not ran:
                 continue
-            t = float(np.median([t for t, _ in ok]))
-            ratios = [(flop / t) / (dense_flop / dense_t) for t, dense_t in ok]
+            t = float(np.median(ran))
+            # dense seconds / mine, times FLOPs / dense FLOPs: TFLOP/s over the dense TFLOP/s of the same pass
+            ratio, spread = pass_ratios([p[c][m][0] for p in passes], [p[0][m][0] for p in passes])
             row.update({f"{mode}_ms": t * 1e3, f"{mode}_tflops": tflops(mult * flop, t),
-                        f"{mode}_of_dense": float(np.median(ratios))})
+                        f"{mode}_of_dense": ratio * flop / dense_flop})
             if len(passes) > 1:
-                row[f"{mode}_of_dense_range"] = [min(ratios), max(ratios)]
+                row[f"{mode}_of_dense_range"] = [r * flop / dense_flop for r in spread]
         rows.append(row)
     return rows
 

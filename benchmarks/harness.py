@@ -1,4 +1,4 @@
-"""The benchmarks' shared harness: one timing helper, one matmul ceiling, and the throughput of the real train step
+"""The benchmarks' shared harness: one timing helper, one per-pass ratio, one matmul ceiling, and the throughput of the real train step
 on synthetic data (with the ceiling measured in the same run), printed as one table."""
 
 import dataclasses
@@ -25,6 +25,13 @@ def time_fn(f, *args, min_s=0.25, max_iters=50) -> float:
         out = f(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n
+
+
+def pass_ratios(mine, reference):
+    """(median, [min, max]) of reference seconds / mine over the passes where both ran (> 1: mine is faster; each
+    ratio within one pass, so a clock drifting between passes cancels), or None if no pass ran both."""
+    ratios = [r / m for m, r in zip(mine, reference) if m is not None and r is not None]
+    return (float(np.median(ratios)), [min(ratios), max(ratios)]) if ratios else None
 
 
 def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16) -> float:
