@@ -15,7 +15,6 @@ over the whole sequence, and the load-balanced ring against the naive (contiguou
 """
 
 import json
-import sys
 
 from absl import flags
 

@@ -6,7 +6,6 @@ copy of the same bytes as the ceiling, measured in the same run. Default shapes:
 """
 
 import json
-import os
 
 from absl import flags
 

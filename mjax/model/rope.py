@@ -3,7 +3,6 @@ scaling (YaRN's cos/sin and softmax-scale factors: `yarn_attention_factor`, `yar
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from mjax.kernels.qkv_rope_grad.reference import rotate

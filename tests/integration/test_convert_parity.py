@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mjax.config import from_dict
-from mjax.convert import hf_to_mjax, load_pretrained, mjax_to_hf
+from mjax.convert import load_pretrained, mjax_to_hf
 from mjax.storage import params as params_io
 from mjax.convert.hf import model_config_from_hf, params_from_hf
 from mjax.convert.spec import unflatten

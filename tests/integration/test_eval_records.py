@@ -3,7 +3,6 @@ metrics file and in TensorBoard. --eval_interval=0 evaluates nothing."""
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

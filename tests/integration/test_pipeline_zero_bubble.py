@@ -2,7 +2,6 @@
 below 1F1B's, compiled temporaries against 1f1b's, and the flags it refuses."""
 
 import jax
-import numpy as np
 import pytest
 
 from mjax.config import ConfigError

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.options import ATTN_CORE
-from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, default_block_sizes, default_interpret, pow2_at_least
+from mjax.kernels.attention.flash_common import MaskSpec, default_block_sizes, default_interpret, pow2_at_least
 from mjax.kernels.attention.sharded import sharded_backward, sharded_forward
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

@@ -35,7 +35,7 @@ from mjax.kernels.attention.persistent import persistent_work, persistent_works
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
              block_kv: int, stages: int, num_sms: int, order: str):
     b, t, n, h = q.shape
-    s, kh = k.shape[1], k.shape[2]
+    kh = k.shape[2]
     groups = n // kh
     dtype = jnp.dtype(q.dtype)
     n_tiles = t // (2 * block_q)

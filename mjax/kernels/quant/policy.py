@@ -109,7 +109,7 @@ def initial_meta() -> jax.Array:
 def _padded_to_blocks(x, w, matmul):
     """matmul(x, w) with K and N zero-padded to whole 128-blocks, the output's padding sliced off: a partial last
     block is scaled by the amax of its real entries, as DeepSeek-V3 quantizes its 576-wide KV down-projection."""
-    (m, k), n = x.shape, w.shape[1]
+    k, n = x.shape[1], w.shape[1]
     pk, pn = -k % BLOCK, -n % BLOCK
     if not (pk or pn):
         return matmul(x, w)
