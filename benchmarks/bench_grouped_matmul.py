@@ -9,6 +9,9 @@ last group empty) distributions of the rows. One table (TFLOP/s and fraction of 
 --passes=N times the dense GEMM and the main table N times over, case after case; a row reports the median of its
 passes' times and the median of its ratios to the dense GEMM, each taken within a pass (timings drift over a long
 run: one kernel timed twice in one process differed by 13.5%); the target checks use --passes=3.
+A Mosaic row ends with the waves of its forward and dgrad kernels ("waves forward 7 (6.07)": ceil and exact
+(row-window visit, column tile) items over the SMs; `waves` in the JSON): the call's time in item times, since the
+items cost about the same (grouped_cases.row_kernel_waves).
 --tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
 plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
@@ -51,7 +54,7 @@ import numpy as np  # noqa: E402
 from benchmarks import fp8_blockwise_grouped_cases as bw_cases  # noqa: E402
 from benchmarks import fp8_grouped_cases as fp8_cases  # noqa: E402
 from benchmarks.grouped_cases import (check_against, fwd_and_bwd, group_sizes, median_rows,  # noqa: E402
-                                      operands, per_group_dot, tflops)
+                                      mosaic_row_waves, operands, per_group_dot, tflops)
 from mjax.kernels.quant import fp8  # noqa: E402
 from mjax.kernels.grouped_matmul import (KernelTile, Tiling, fp8_grouped_matmul, grouped_matmul,  # noqa: E402
                                          resolve_tiling, why_unsupported)
@@ -148,6 +151,8 @@ def main_table(shape, dists, with_impls: bool):
         passes.append(times)
     rows = median_rows(shape, [case[:3] for case in cases], passes)
     for row in rows:
+        if row["impl"] == "mosaic":
+            row["waves"] = mosaic_row_waves(shape, group_sizes(row["dist"], g, r), jax.devices()[0].core_count)
         print_row(row)
     return rows
 
@@ -261,6 +266,8 @@ def print_row(row):
         else:
             cells.append(f"{'-':>8} {'-':>8} {'-':>8}")
     tail = f"  {row['error']}" if row.get("error") else ""
+    if "waves" in row:
+        tail += "  waves " + ", ".join(f"{kernel} {w['waves']} ({w['fill']:.2f})" for kernel, w in row["waves"].items())
     print(f"{shape:22} {row['dist']:9} {row['impl']:24} {cells[0]} {cells[1]}{tail}", flush=True)
 
 

@@ -1,12 +1,15 @@
 """The grouped-matmul benchmark's cases: row distributions over the groups, random operands, the per-group
 reference for --check and the comparison against it, jit'ed forward and forward + backward of a grouped matmul,
-the TFLOP/s of a timing and the table's rows from several passes of timings."""
+the TFLOP/s of a timing, the table's rows from several passes of timings and the waves of the Mosaic row kernels."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import pass_ratios
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS
+from mjax.kernels.grouped_matmul.schedule import row_tiles
+from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
 
 def group_sizes(dist: str, groups: int, rows: int) -> np.ndarray:
@@ -124,3 +127,25 @@ def median_rows(shape, cases, passes) -> list[dict]:
 
 def tflops(flop, seconds):
     return flop / seconds / 1e12
+
+
+def row_kernel_waves(sizes, block_m: int, block_n: int, cols: int, programs: int) -> dict:
+    """How a Mosaic row kernel (forward: cols = N; dgrad: cols = K) deals its work for these group sizes. Its items
+    are (row-window visit, column tile) pairs, dealt round-robin over `programs`. A visit loads and multiplies a
+    whole window however few of its rows are stored, so the items cost about the same. A call then takes `waves`
+    item times: ceil(items / programs), against a `fill` of items / programs. Visits of the padding rows (zeros, no
+    product) are not counted: they come last in the list."""
+    sizes = np.asarray(sizes)
+    rows = int(sizes.sum())
+    visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, block_m, TMA_ROWS))  # [4, T]
+    matmul_visits = int((visits[0] < len(sizes)).sum())
+    items = matmul_visits * -(-cols // block_n)
+    return {"visits": matmul_visits, "items": items, "waves": -(-items // programs), "fill": items / programs}
+
+
+def mosaic_row_waves(shape, sizes, programs: int) -> dict:
+    """row_kernel_waves of the Mosaic forward and dgrad at their default tiles for (G, rows, N, K) = shape."""
+    _, _, n, k = shape
+    tiling = default_mosaic_tiling(k, n)
+    return {kernel: row_kernel_waves(sizes, tile.block_m, tile.block_n, cols, programs)
+            for kernel, tile, cols in (("forward", tiling.forward, n), ("dgrad", tiling.dgrad, k))}

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.grouped_cases import median_rows
+from benchmarks.grouped_cases import group_sizes, median_rows, mosaic_row_waves, row_kernel_waves
 from mjax.kernels.grouped_matmul import (IMPLS, GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl,
                                          grouped_matmul, why_unsupported)
 from mjax.kernels.grouped_matmul.pallas import grouped_matmul_pallas
@@ -325,6 +325,37 @@ def test_median_rows_take_each_passes_ratio_to_its_own_dense_gemm_and_skip_faile
 
 
 @pytest.mark.slow
+def _windows(sizes, block_m, align=8):
+    """Row windows a Mosaic row kernel visits, walked group by group: each from the aligned row at or before the
+    group's first row, block_m rows on, until the group's last row is covered."""
+    count, start = 0, 0
+    for size in sizes:
+        row = start - start % align
+        while size and row < start + size:
+            count, row = count + 1, row + block_m
+        start += size
+    return count
+
+
+@pytest.mark.parametrize("dist", ["balanced", "skewed", "empty", "dirichlet", "padded"])
+@pytest.mark.parametrize("groups, rows", [(8, 4096), (16, 2048), (128, 512), (5, 100)])
+def test_row_kernel_waves_count_the_windows_each_group_needs(groups, rows, dist):
+    sizes = group_sizes(dist, groups, rows)
+    got = row_kernel_waves(sizes, 128, 256, 768, 132)
+    visits = _windows(sizes.tolist(), 128)
+    assert (got["visits"], got["items"], got["waves"]) == (visits, 3 * visits, -(-3 * visits // 132))
+    assert got["fill"] == pytest.approx(3 * visits / 132)
+
+
+def test_row_kernel_waves_of_the_documented_rows():
+    """docs/moe.md's table: one visit per 128 rows when balanced; the 16-group Dirichlet row spills 9 of its 801
+    items into a seventh wave."""
+    assert row_kernel_waves(group_sizes("balanced", 16, 2048), 128, 256, 768, 132) == {
+        "visits": 256, "items": 768, "waves": 6, "fill": 768 / 132}
+    waves = mosaic_row_waves((16, 2048, 768, 2048), group_sizes("dirichlet", 16, 2048), 132)
+    assert (waves["forward"]["items"], waves["forward"]["waves"], waves["dgrad"]["waves"]) == (801, 7, 17)
+
+
 def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
     """The script end to end off GPU (one tiny shape, kernels interpreted; a subprocess, as its absl flags are
     global): the table, the sweep, --check, the JSON and the row distributions it times."""
