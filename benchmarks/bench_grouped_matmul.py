@@ -9,9 +9,9 @@ last group empty) distributions of the rows. One table (TFLOP/s and fraction of 
 --passes=N times the dense GEMM and the main table N times over, case after case; a row reports the median of its
 passes' times and the median of its ratios to the dense GEMM, each taken within a pass (timings drift over a long
 run: one kernel timed twice in one process differed by 13.5%); the target checks use --passes=3.
-A Mosaic row ends with the waves of its forward and dgrad kernels ("waves forward 7 (6.07)": ceil and exact
-(row-window visit, column tile) items over the SMs; `waves` in the JSON): the call's time in item times, since the
-items cost about the same (grouped_cases.row_kernel_waves).
+A Mosaic row ends with the waves of its forward and dgrad kernels ("waves forward 7 (6.07)": the busiest SM's
+multiplying (row-window visit, column tile) items under the kernel's own deal, and their mean over the SMs; `waves`
+in the JSON): the call's time in item times, since those items cost about the same (grouped_cases.row_kernel_waves).
 --tilings times each kernel (forward, dgrad, wgrad) alone with every tile given and prints the best per shape;
 --check compares the Pallas results (y, dx, dw) with lax.ragged_dot's and with per-group jnp.dot on this device,
 plus a distribution with padding rows (which must come out zero); --smoke runs tiny shapes interpreted (off GPU).
@@ -151,8 +151,10 @@ def main_table(shape, dists, with_impls: bool):
         passes.append(times)
     rows = median_rows(shape, [case[:3] for case in cases], passes)
     for row in rows:
-        if row["impl"] == "mosaic":
-            row["waves"] = mosaic_row_waves(shape, group_sizes(row["dist"], g, r), jax.devices()[0].core_count)
+        waves = (mosaic_row_waves(shape, group_sizes(row["dist"], g, r), jax.devices()[0].core_count)
+                 if row["impl"] == "mosaic" and not row["error"] else None)
+        if waves:
+            row["waves"] = waves
         print_row(row)
     return rows
 

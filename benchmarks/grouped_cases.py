@@ -5,6 +5,7 @@ the TFLOP/s of a timing, the table's rows from several passes of timings and the
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.harness import pass_ratios
 from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS
@@ -129,23 +130,31 @@ def tflops(flop, seconds):
     return flop / seconds / 1e12
 
 
-def row_kernel_waves(sizes, block_m: int, block_n: int, cols: int, programs: int) -> dict:
-    """How a Mosaic row kernel (forward: cols = N; dgrad: cols = K) deals its work for these group sizes. Its items
-    are (row-window visit, column tile) pairs, dealt round-robin over `programs`. A visit loads and multiplies a
-    whole window however few of its rows are stored, so the items cost about the same. A call then takes `waves`
-    item times: ceil(items / programs), against a `fill` of items / programs. Visits of the padding rows (zeros, no
-    product) are not counted: they come last in the list."""
-    sizes = np.asarray(sizes)
-    rows = int(sizes.sum())
-    visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, block_m, TMA_ROWS))  # [4, T]
-    matmul_visits = int((visits[0] < len(sizes)).sum())
-    items = matmul_visits * -(-cols // block_n)
-    return {"visits": matmul_visits, "items": items, "waves": -(-items // programs), "fill": items / programs}
+def row_kernel_waves(sizes, rows: int, tile, cols: int, programs: int) -> dict:
+    """How a Mosaic row kernel (forward: cols = N; dgrad: cols = K) of `tile` deals its work for these group sizes
+    over `rows` rows (the array's, padding included). Its items are (row-window visit, column tile) pairs in
+    planar_snake order (strips of tile.group_m column tiles, every other strip walking the visits backwards),
+    dealt round-robin over `programs`. A visit that multiplies loads and multiplies a whole window however few of
+    its rows are stored, so those items cost about the same; the padding's visits (zeros) and the unused ones cost
+    next to nothing. `waves` is the most multiplying items one program gets, the call's time in item times; `fill`
+    is their mean."""
+    visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, tile.block_m, TMA_ROWS))  # [4, T]
+    n_visits, n_cols = visits.shape[1], -(-cols // tile.block_n)
+    snake = jax.vmap(lambda i: plgpu.planar_snake(i, (n_visits, n_cols), 1, tile.group_m))
+    visit_of_item = np.asarray(snake(jnp.arange(n_visits * n_cols, dtype=jnp.int32))[0])  # [T * C]
+    multiplies = visits[0][visit_of_item] < len(sizes)  # [T * C]
+    per_program = np.bincount(np.arange(multiplies.size) % programs, weights=multiplies, minlength=programs)
+    items = int(multiplies.sum())
+    return {"visits": int((visits[0] < len(sizes)).sum()), "items": items, "waves": int(per_program.max()),
+            "fill": items / programs}
 
 
-def mosaic_row_waves(shape, sizes, programs: int) -> dict:
-    """row_kernel_waves of the Mosaic forward and dgrad at their default tiles for (G, rows, N, K) = shape."""
-    _, _, n, k = shape
+def mosaic_row_waves(shape, sizes, programs: int) -> dict | None:
+    """row_kernel_waves of the Mosaic forward and dgrad at their default tiles for (G, rows, N, K) = shape, None
+    where no default tiling exists (Mosaic does not run the shape)."""
+    g, r, n, k = shape
     tiling = default_mosaic_tiling(k, n)
-    return {kernel: row_kernel_waves(sizes, tile.block_m, tile.block_n, cols, programs)
+    if tiling is None:
+        return None
+    return {kernel: row_kernel_waves(sizes, g * r, tile, cols, programs)
             for kernel, tile, cols in (("forward", tiling.forward, n), ("dgrad", tiling.dgrad, k))}

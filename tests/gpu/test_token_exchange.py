@@ -6,7 +6,6 @@ present (one rank per GPU) on random per-rank row counts, zero and full blocks i
     JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests/gpu -q -rs
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

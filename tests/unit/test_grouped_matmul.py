@@ -324,38 +324,51 @@ def test_median_rows_take_each_passes_ratio_to_its_own_dense_gemm_and_skip_faile
     assert "fwd_of_dense_range" not in median_rows((4, 25, 8, 4), cases[:2], [p[:2] for p in passes[:1]])[1]
 
 
-@pytest.mark.slow
-def _windows(sizes, block_m, align=8):
-    """Row windows a Mosaic row kernel visits, walked group by group: each from the aligned row at or before the
-    group's first row, block_m rows on, until the group's last row is covered."""
-    count, start = 0, 0
+def _deal(sizes, rows, block_m, n_cols, group_m, programs, align=8):
+    """The most multiplying items one program gets, walked as the Mosaic row kernels walk them: each group's windows
+    from the aligned row at or before its first row, block_m rows on, until its last row is covered; then the
+    padding rows' windows and the unused ones up to ceil(rows / block_m) + G; items (window, column tile) in strips
+    of group_m column tiles, every other strip taking the windows backwards; item i to program i % programs."""
+    windows, start = [], 0
     for size in sizes:
         row = start - start % align
         while size and row < start + size:
-            count, row = count + 1, row + block_m
+            windows, row = windows + [True], row + block_m
         start += size
-    return count
+    windows += [False] * (-(-rows // block_m) + len(sizes) - len(windows))
+    items = []
+    for strip, first in enumerate(range(0, n_cols, group_m)):
+        order = windows if strip % 2 == 0 else windows[::-1]
+        items += [w for w in order for _ in range(first, min(first + group_m, n_cols))]
+    return sum(windows), max(sum(items[p::programs]) for p in range(programs))
 
 
 @pytest.mark.parametrize("dist", ["balanced", "skewed", "empty", "dirichlet", "padded"])
-@pytest.mark.parametrize("groups, rows", [(8, 4096), (16, 2048), (128, 512), (5, 100)])
-def test_row_kernel_waves_count_the_windows_each_group_needs(groups, rows, dist):
+@pytest.mark.parametrize("groups, rows, cols", [(8, 4096, 768), (8, 4096, 2048), (16, 2048, 768), (128, 512, 768),
+                                                (8, 4096, 14336), (60, 512, 1408), (5, 100, 384)])
+def test_row_kernel_waves_follow_the_kernels_deal(groups, rows, cols, dist):
     sizes = group_sizes(dist, groups, rows)
-    got = row_kernel_waves(sizes, 128, 256, 768, 132)
-    visits = _windows(sizes.tolist(), 128)
-    assert (got["visits"], got["items"], got["waves"]) == (visits, 3 * visits, -(-3 * visits // 132))
-    assert got["fill"] == pytest.approx(3 * visits / 132)
+    tile = KernelTile(128, 256, 64, 12, 4, 4)
+    got = row_kernel_waves(sizes, groups * rows, tile, cols, 132)
+    visits, busiest = _deal(sizes.tolist(), groups * rows, 128, -(-cols // 256), 4, 132)
+    n_cols = -(-cols // 256)
+    assert (got["visits"], got["items"], got["waves"]) == (visits, visits * n_cols, busiest)
+    assert got["fill"] == pytest.approx(visits * n_cols / 132)
 
 
 def test_row_kernel_waves_of_the_documented_rows():
     """docs/moe.md's table: one visit per 128 rows when balanced; the 16-group Dirichlet row spills 9 of its 801
-    items into a seventh wave."""
-    assert row_kernel_waves(group_sizes("balanced", 16, 2048), 128, 256, 768, 132) == {
-        "visits": 256, "items": 768, "waves": 6, "fill": 768 / 132}
+    items into a seventh wave; Mixtral's forward (56 column tiles, strips walked both ways) takes 112 everywhere."""
+    balanced = mosaic_row_waves((16, 2048, 768, 2048), group_sizes("balanced", 16, 2048), 132)["forward"]
+    assert balanced == {"visits": 256, "items": 768, "waves": 6, "fill": 768 / 132}
     waves = mosaic_row_waves((16, 2048, 768, 2048), group_sizes("dirichlet", 16, 2048), 132)
-    assert (waves["forward"]["items"], waves["forward"]["waves"], waves["dgrad"]["waves"]) == (801, 7, 17)
+    assert (waves["forward"]["items"], waves["forward"]["waves"]) == (801, 7)
+    mixtral = mosaic_row_waves((8, 4096, 14336, 4096), group_sizes("balanced", 8, 4096), 132)["forward"]
+    assert (mixtral["items"], mixtral["waves"]) == (14336, 112)
+    assert mosaic_row_waves((8, 64, 96, 2048), group_sizes("balanced", 8, 64), 132) is None  # no Mosaic tiling
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_run_tables_sweeps_and_checks(tmp_path):
     """The script end to end off GPU (one tiny shape, kernels interpreted; a subprocess, as its absl flags are
     global): the table, the sweep, --check, the JSON and the row distributions it times."""
