@@ -134,7 +134,8 @@ def main_table(shape, dists, with_impls: bool):
     dense_fwd, dense_both = fwd_and_bwd(lambda x, w0, gs: jnp.dot(x, w0))
     cases = [("dense jnp.dot (ceiling)", "-", 2 * g * r * k * n, (dense_fwd, x, w0, None),
               (dense_both, x, w0, None, dy))]
-    for name, fn in main_impls(shape, x, w, dy) if with_impls else []:  # one compile per implementation: sizes are run-time
+    # one compile per implementation: the group sizes are run-time values
+    for name, fn in main_impls(shape, x, w, dy) if with_impls else []:
         fwd, both = fwd_and_bwd(fn)
         for dist in dists:
             sizes = group_sizes(dist, g, r)

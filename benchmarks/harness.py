@@ -1,5 +1,5 @@
-"""The benchmarks' shared harness: one timing helper, one per-pass ratio, one matmul ceiling, and the throughput of the real train step
-on synthetic data (with the ceiling measured in the same run), printed as one table."""
+"""The benchmarks' shared harness: one timing helper, one per-pass ratio, one matmul ceiling, and the throughput of
+the real train step on synthetic data (with the ceiling measured in the same run), printed as one table."""
 
 import dataclasses
 import time
