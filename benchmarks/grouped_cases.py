@@ -5,10 +5,9 @@ the TFLOP/s of a timing, the table's rows from several passes of timings and the
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.harness import pass_ratios
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item
 from mjax.kernels.grouped_matmul.schedule import row_tiles
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
@@ -132,17 +131,17 @@ def tflops(flop, seconds):
 
 def row_kernel_waves(sizes, rows: int, tile, cols: int, programs: int) -> dict:
     """How a Mosaic row kernel (forward: cols = N; dgrad: cols = K) of `tile` deals its work for these group sizes
-    over `rows` rows (the array's, padding included). Its items are (row-window visit, column tile) pairs in
-    planar_snake order (strips of tile.group_m column tiles, every other strip walking the visits backwards),
-    dealt round-robin over `programs`. A visit that multiplies loads and multiplies a whole window however few of
-    its rows are stored, so those items cost about the same; the padding's visits (zeros) and the unused ones cost
-    next to nothing. `waves` is the most multiplying items one program gets, the call's time in item times; `fill`
-    is their mean."""
+    over `rows` rows (the array's, padding included). Its items are (row-window visit, column tile) pairs, those of
+    the visits in use first (mosaic_parts.live_item), dealt round-robin over `programs`. A visit that multiplies
+    loads and multiplies a whole window however few of its rows are stored, so those items cost about the same; the
+    padding's visits (zeros) and the unused ones cost next to nothing. `waves` is the most multiplying items one
+    program gets, the call's time in item times; `fill` is their mean."""
     visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, tile.block_m, TMA_ROWS))  # [4, T]
-    n_visits, n_cols = visits.shape[1], -(-cols // tile.block_n)
-    snake = jax.vmap(lambda i: plgpu.planar_snake(i, (n_visits, n_cols), 1, tile.group_m))
-    visit_of_item = np.asarray(snake(jnp.arange(n_visits * n_cols, dtype=jnp.int32))[0])  # [T * C]
-    multiplies = visits[0][visit_of_item] < len(sizes)  # [T * C]
+    n_live = jnp.int32((visits[0] <= len(sizes)).sum())
+    n_cols = -(-cols // tile.block_n)
+    deal = jax.vmap(lambda i: live_item(i, n_live, n_cols, tile.group_m))
+    visit_of_item, _, in_use = (np.asarray(a) for a in deal(jnp.arange(visits.shape[1] * n_cols, dtype=jnp.int32)))
+    multiplies = in_use & (visits[0][visit_of_item] < len(sizes))  # [T * C]
     per_program = np.bincount(np.arange(multiplies.size) % programs, weights=multiplies, minlength=programs)
     items = int(multiplies.sum())
     return {"visits": int((visits[0] < len(sizes)).sum()), "items": items, "waves": int(per_program.max()),

@@ -326,16 +326,16 @@ def test_median_rows_take_each_passes_ratio_to_its_own_dense_gemm_and_skip_faile
 
 def _deal(sizes, rows, block_m, n_cols, group_m, programs, align=8):
     """The most multiplying items one program gets, walked as the Mosaic row kernels walk them: each group's windows
-    from the aligned row at or before its first row, block_m rows on, until its last row is covered; then the
-    padding rows' windows and the unused ones up to ceil(rows / block_m) + G; items (window, column tile) in strips
-    of group_m column tiles, every other strip taking the windows backwards; item i to program i % programs."""
+    (they multiply), then the padding rows' (they do not), each from the aligned row at or before the segment's
+    first row, block_m rows on, until its last row is covered; items (window, column tile) in strips of group_m
+    column tiles over these windows alone, every other strip taking them backwards; the static grid's unused items
+    after them; item i to program i % programs."""
     windows, start = [], 0
-    for size in sizes:
+    for size, multiplies in [(size, True) for size in sizes] + [(rows - sum(sizes), False)]:
         row = start - start % align
         while size and row < start + size:
-            windows, row = windows + [True], row + block_m
+            windows, row = windows + [multiplies], row + block_m
         start += size
-    windows += [False] * (-(-rows // block_m) + len(sizes) - len(windows))
     items = []
     for strip, first in enumerate(range(0, n_cols, group_m)):
         order = windows if strip % 2 == 0 else windows[::-1]
@@ -358,13 +358,14 @@ def test_row_kernel_waves_follow_the_kernels_deal(groups, rows, cols, dist):
 
 def test_row_kernel_waves_of_the_documented_rows():
     """docs/moe.md's table: one visit per 128 rows when balanced; the 16-group Dirichlet row spills 9 of its 801
-    items into a seventh wave; Mixtral's forward (56 column tiles, strips walked both ways) takes 112 everywhere."""
+    items into a seventh wave; Mixtral's forward (56 column tiles) takes ceil(14336 / 132) = 109 now that the
+    unused visits come last."""
     balanced = mosaic_row_waves((16, 2048, 768, 2048), group_sizes("balanced", 16, 2048), 132)["forward"]
     assert balanced == {"visits": 256, "items": 768, "waves": 6, "fill": 768 / 132}
     waves = mosaic_row_waves((16, 2048, 768, 2048), group_sizes("dirichlet", 16, 2048), 132)
     assert (waves["forward"]["items"], waves["forward"]["waves"]) == (801, 7)
     mixtral = mosaic_row_waves((8, 4096, 14336, 4096), group_sizes("balanced", 8, 4096), 132)["forward"]
-    assert (mixtral["items"], mixtral["waves"]) == (14336, 112)
+    assert (mixtral["items"], mixtral["waves"]) == (14336, 109)
     assert mosaic_row_waves((8, 64, 96, 2048), group_sizes("balanced", 8, 64), 132) is None  # no Mosaic tiling
 
 

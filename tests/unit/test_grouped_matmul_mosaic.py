@@ -10,7 +10,7 @@ import pytest
 from mjax.kernels.grouped_matmul import (GroupedMatmulUnsupported, KernelTile, Tiling, choose_impl, grouped_matmul,
                                          why_unsupported)
 from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic, mosaic_tile_problem
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, wgrad_bounds
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item, wgrad_bounds
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
 FACTS = dict(dtype=jnp.bfloat16, k=2048, n=768, m=32768, groups=8)
@@ -145,3 +145,14 @@ def test_wgrad_chunks_cover_each_group_and_flag_those_reaching_into_the_padding(
         assert origin[g] % TMA_ROWS == 0 and start[g] - TMA_ROWS < origin[g] <= start[g]
         assert origin[g] + (chunks[g] - 1) * bk < end[g] <= origin[g] + chunks[g] * bk  # no chunk wasted
         assert into_padding[g] == (used < rows and origin[g] + chunks[g] * bk > used)
+
+
+@pytest.mark.parametrize("n_live, n_visits, n_cols, group_m", [(7, 12, 3, 4), (10, 18, 56, 4), (1, 9, 6, 4),
+                                                             (12, 12, 8, 2)])
+def test_live_item_deals_each_live_item_once_before_any_unused_one(n_live, n_visits, n_cols, group_m):
+    index = jnp.arange(n_visits * n_cols, dtype=jnp.int32)
+    t, j, in_use = (np.asarray(a) for a in jax.vmap(lambda i: live_item(i, jnp.int32(n_live), n_cols, group_m))(index))
+    assert in_use.tolist() == [i < n_live * n_cols for i in range(n_visits * n_cols)]
+    pairs = sorted(zip(t[in_use].tolist(), j[in_use].tolist()))
+    assert pairs == [(v, c) for v in range(n_live) for c in range(n_cols)]
+    assert np.all((0 <= t) & (t < n_live) & (0 <= j) & (j < n_cols))  # unused items read a live visit's entry

@@ -4,7 +4,8 @@ custom_vjp, float32 accumulation; bfloat16 / float16 operands. GPU only (no inte
 
     y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms)
 
-Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, each a block_m-row window from the
+Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, the visits in use first in a snake
+over them alone (`mosaic_parts.live_item`). Each visit is a block_m-row window from the
 8-row tile at or before its segment's first row (TMA loads start at any 8-row tile, so a group of s rows takes
 about ceil(s / block_m) visits wherever it starts): the window is loaded whole (rows outside the visited segment are
 multiplied but never stored), and the visited segment's rows are stored from shared memory as a sum of
@@ -30,8 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mjax.kernels.device import SHARED_MEMORY_BYTES
 from mjax.kernels.grouped_matmul import mosaic_specialized
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
-from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_item, live_visits, mask_group_edges, store_rows,
+                                                      swizzled, wgrad_bounds)
+from mjax.kernels.grouped_matmul.schedule import UNUSED, max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import (MOSAIC_SPECIALIZED_WARPS, KernelTile, Tiling, mosaic_compute_warpgroups,
                                                 mosaic_shared_bytes)
 
@@ -81,13 +83,17 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     cols = w.shape[1] if transpose_w else w.shape[2]
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
+    live = live_visits(visits, groups)  # [1]
     n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
 
-    def body(visits_gmem, a_gmem, w_gmem, out_gmem):
+    def body(visits_gmem, live_gmem, a_gmem, w_gmem, out_gmem):
+        n_live = live_gmem[0]
+
         @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
         def _(loop_info: plgpu.NDLoopInfo):
-            t, j = plgpu.planar_snake(loop_info.index[0], (n_visits, n_col_blocks), 1, tile.group_m)
-            seg, row0, first, last = (visits_gmem[i, t] for i in range(4))
+            t, j, in_use = live_item(loop_info.index[0], n_live, n_col_blocks, tile.group_m)
+            seg = jnp.where(in_use, visits_gmem[0, t], groups + UNUSED)
+            row0, first, last = (visits_gmem[i, t] for i in range(1, 4))
             w_g = w_gmem.at[jnp.minimum(seg, groups - 1)]
 
             def acc_scope(acc_ref):
@@ -121,7 +127,7 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, cols), a.dtype), grid=(num_sms,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(visits, a, w)
+    return kernel(visits, live, a, w)
 
 
 def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):

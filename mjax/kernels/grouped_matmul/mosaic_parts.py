@@ -1,6 +1,6 @@
 """What both families of Mosaic GPU grouped matmul kernels (mosaic.py, mosaic_specialized.py) share: the swizzled
-shared-memory layout of their operand tiles, the row-slice stores of a visit, the wgrad's per-group chunk bounds and
-its masking of rows outside a group."""
+shared-memory layout of their operand tiles, the row kernels' deal of their visits, the row-slice stores of a visit,
+the wgrad's per-group chunk bounds and its masking of rows outside a group."""
 
 import jax.numpy as jnp
 from jax import lax
@@ -19,6 +19,23 @@ def swizzled(dtype):
     """Every tile's minor dimension is a multiple of 64 elements: 128-byte rows, the widest swizzle."""
     swizzle = plgpu.find_swizzle(64 * jnp.dtype(dtype).itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def live_visits(visits, groups: int):
+    """int32 [1]: how many of schedule.row_tiles' visits are in use (the groups' and the padding's). They come first;
+    the rest of the static grid's visits do nothing."""
+    return jnp.sum(visits[0] <= groups, dtype=jnp.int32, keepdims=True)
+
+
+def live_item(index, n_live, n_col_blocks: int, group_m: int):
+    """A row kernel's nd_loop item -> (visit, column tile, in use). The n_live visits' items come first, in
+    planar_snake order: strips of group_m column tiles, every other strip walking the visits backwards. The static
+    grid's unused items come after them. A round-robin deal then gives no program more than
+    ceil(n_live * n_col_blocks / programs) items in use. A snake over all the grid's visits would start every other
+    strip with the unused ones, so with more than group_m column tiles some programs would get more."""
+    n_items = n_live * n_col_blocks
+    t, j = plgpu.planar_snake(jnp.minimum(index, n_items - 1), (n_live, n_col_blocks), 1, group_m)
+    return t, j, index < n_items
 
 
 def store_rows(acc, o_smem, out_gmem, row0, first, count, col0, bm: int, bn: int):

@@ -16,8 +16,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, mask_group_edges, store_rows, swizzled, wgrad_bounds
-from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_item, live_visits, mask_group_edges, store_rows,
+                                                      swizzled, wgrad_bounds)
+from mjax.kernels.grouped_matmul.schedule import UNUSED, max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import KernelTile, mosaic_compute_warpgroups, mosaic_epilogue_cols
 
 MEMORY_REGISTERS = 40  # the memory warpgroup only computes addresses; the compute ones share the rest
@@ -68,6 +69,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
     n_compute = mosaic_compute_warpgroups(tile)
     wg_cols, epi_cols = bn // n_compute, mosaic_epilogue_cols(tile, a.dtype.itemsize)
     visits = row_tiles(group_sizes, rows, bm, TMA_ROWS)  # [4, T]
+    live = live_visits(visits, groups)  # [1]
     n_visits, n_col_blocks = max_row_tiles(rows, groups, bm), -(-cols // bn)
     tf = swizzled(a.dtype)
     steps = depth // bk
@@ -83,7 +85,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
         return _pipeline(body, context, specs(j), (steps,), stages, n_compute,
                          pipeline_state=state if chained else None, manual_consumed_barriers=True)
 
-    def body(visits_gmem, a_gmem, w_gmem, out_gmem, o_smem):
+    def body(visits_gmem, live_gmem, a_gmem, w_gmem, out_gmem, o_smem):
         # One allocation for all tiles (the specs' shapes are all it depends on): no barrier between tiles.
         allocations = pipeline(None, None, 0, None).get_allocations(a_gmem.at[pl.ds(0, bm)], w_gmem.at[0])
 
@@ -112,8 +114,9 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
 
             @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
             def _(loop_info: plgpu.NDLoopInfo, carry):
-                t, j = plgpu.planar_snake(loop_info.index[0], (n_visits, n_col_blocks), 1, tile.group_m)
-                seg, row0, first, last = (visits_gmem[i, t] for i in range(4))
+                t, j, in_use = live_item(loop_info.index[0], live_gmem[0], n_col_blocks, tile.group_m)
+                seg = jnp.where(in_use, visits_gmem[0, t], groups + UNUSED)
+                row0, first, last = (visits_gmem[i, t] for i in range(1, 4))
                 window = a_gmem.at[pl.ds(pl.multiple_of(row0, TMA_ROWS), bm)]  # past M: TMA reads zeros
                 col0 = j * bn + wg * wg_cols
 
@@ -152,7 +155,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
 
     kernel = _kernel(body, jax.ShapeDtypeStruct((rows, cols), a.dtype),
                      [plgpu.SMEM((n_compute, bm, epi_cols), a.dtype)], num_sms, n_compute)
-    return kernel(visits, a, w)
+    return kernel(visits, live, a, w)
 
 
 def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
