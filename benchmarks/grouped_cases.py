@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import pass_ratios
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item, live_visits
 from mjax.kernels.grouped_matmul.schedule import row_tiles
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
@@ -137,7 +137,7 @@ def row_kernel_waves(sizes, rows: int, tile, cols: int, programs: int) -> dict:
     padding's visits (zeros) and the unused ones cost next to nothing. `waves` is the most multiplying items one
     program gets, the call's time in item times; `fill` is their mean."""
     visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, tile.block_m, TMA_ROWS))  # [4, T]
-    n_live = jnp.int32((visits[0] <= len(sizes)).sum())
+    n_live = live_visits(jnp.asarray(visits), len(sizes))[0]
     n_cols = -(-cols // tile.block_n)
     deal = jax.vmap(lambda i: live_item(i, n_live, n_cols, tile.group_m))
     visit_of_item, _, in_use = (np.asarray(a) for a in deal(jnp.arange(visits.shape[1] * n_cols, dtype=jnp.int32)))

@@ -34,7 +34,9 @@ def live_item(index, n_live, n_col_blocks: int, group_m: int):
     ceil(n_live * n_col_blocks / programs) items in use. A snake over all the grid's visits would start every other
     strip with the unused ones, so with more than group_m column tiles some programs would get more."""
     n_items = n_live * n_col_blocks
-    t, j = plgpu.planar_snake(jnp.minimum(index, n_items - 1), (n_live, n_col_blocks), 1, group_m)
+    snake_visits = jnp.maximum(n_live, 1)  # no live visit (M = 0): every item unused, all reading visit 0
+    t, j = plgpu.planar_snake(jnp.minimum(index, snake_visits * n_col_blocks - 1), (snake_visits, n_col_blocks), 1,
+                              group_m)
     return t, j, index < n_items
 
 
