@@ -136,8 +136,9 @@ def row_kernel_waves(sizes, rows: int, tile, cols: int, programs: int) -> dict:
     loads and multiplies a whole window however few of its rows are stored, so those items cost about the same; the
     padding's visits (zeros) and the unused ones cost next to nothing. `waves` is the most multiplying items one
     program gets, the call's time in item times; `fill` is their mean."""
-    visits = np.asarray(row_tiles(jnp.asarray(sizes, jnp.int32), rows, tile.block_m, TMA_ROWS))  # [4, T]
-    n_live = live_visits(jnp.asarray(visits), len(sizes))[0]
+    visits = row_tiles(jnp.asarray(sizes, jnp.int32), rows, tile.block_m, TMA_ROWS)  # [4, T]
+    n_live = live_visits(visits, len(sizes))[0]
+    visits = np.asarray(visits)
     n_cols = -(-cols // tile.block_n)
     deal = jax.vmap(lambda i: live_item(i, n_live, n_cols, tile.group_m))
     visit_of_item, _, in_use = (np.asarray(a) for a in deal(jnp.arange(visits.shape[1] * n_cols, dtype=jnp.int32)))

@@ -2,7 +2,6 @@
 wgrad_bounds computed by XLA ops from the group sizes in the call), and once with those lists baked in as constants
 (the same values, no XLA op before the kernels). Timed alternately (A B B A), outputs compared bitwise. On the GPU,
 from the repository root: PYTHONPATH=. python docs/ab/prep_ab.py"""
-import sys
 from mjax.xla_flags import apply_defaults
 apply_defaults()
 import jax, jax.numpy as jnp, numpy as np

@@ -31,9 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mjax.kernels.device import SHARED_MEMORY_BYTES
 from mjax.kernels.grouped_matmul import mosaic_specialized
-from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_item, live_visits, mask_group_edges, store_rows,
+from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_visit, live_visits, mask_group_edges, store_rows,
                                                       swizzled, wgrad_bounds)
-from mjax.kernels.grouped_matmul.schedule import UNUSED, max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import (MOSAIC_SPECIALIZED_WARPS, KernelTile, Tiling, mosaic_compute_warpgroups,
                                                 mosaic_shared_bytes)
 
@@ -91,9 +91,8 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
 
         @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm")
         def _(loop_info: plgpu.NDLoopInfo):
-            t, j, in_use = live_item(loop_info.index[0], n_live, n_col_blocks, tile.group_m)
-            seg = jnp.where(in_use, visits_gmem[0, t], groups + UNUSED)
-            row0, first, last = (visits_gmem[i, t] for i in range(1, 4))
+            seg, row0, first, last, j = live_visit(visits_gmem, n_live, loop_info.index[0], n_col_blocks,
+                                                   tile.group_m, groups)
             w_g = w_gmem.at[jnp.minimum(seg, groups - 1)]
 
             def acc_scope(acc_ref):

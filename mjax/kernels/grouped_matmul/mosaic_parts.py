@@ -7,7 +7,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.grouped_matmul.schedule import group_bounds
+from mjax.kernels.grouped_matmul.schedule import UNUSED, group_bounds
 
 
 # A swizzled tile's TMA copy moves whole 8-row tiles: its row offset must be a multiple of 8 (layout inference needs
@@ -38,6 +38,14 @@ def live_item(index, n_live, n_col_blocks: int, group_m: int):
     t, j = plgpu.planar_snake(jnp.minimum(index, snake_visits * n_col_blocks - 1), (snake_visits, n_col_blocks), 1,
                               group_m)
     return t, j, index < n_items
+
+
+def live_visit(visits_ref, n_live, index, n_col_blocks: int, group_m: int, groups: int):
+    """A row kernel's nd_loop item -> its row_tiles entry (segment, the window's first row, the segment's first and
+    last + 1 row in it) and column tile, dealt by live_item; an unused item gets segment groups + UNUSED."""
+    t, j, in_use = live_item(index, n_live, n_col_blocks, group_m)
+    seg = jnp.where(in_use, visits_ref[0, t], groups + UNUSED)
+    return seg, visits_ref[1, t], visits_ref[2, t], visits_ref[3, t], j
 
 
 def store_rows(acc, o_smem, out_gmem, row0, first, count, col0, bm: int, bn: int):

@@ -16,9 +16,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_item, live_visits, mask_group_edges, store_rows,
+from mjax.kernels.grouped_matmul.mosaic_parts import (TMA_ROWS, live_visit, live_visits, mask_group_edges, store_rows,
                                                       swizzled, wgrad_bounds)
-from mjax.kernels.grouped_matmul.schedule import UNUSED, max_row_tiles, row_tiles
+from mjax.kernels.grouped_matmul.schedule import max_row_tiles, row_tiles
 from mjax.kernels.grouped_matmul.tiling import KernelTile, mosaic_compute_warpgroups, mosaic_epilogue_cols
 
 MEMORY_REGISTERS = 40  # the memory warpgroup only computes addresses; the compute ones share the rest
@@ -114,9 +114,8 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
 
             @plgpu.nd_loop((n_visits * n_col_blocks,), collective_axes="sm", init_carry=jnp.int32(0))
             def _(loop_info: plgpu.NDLoopInfo, carry):
-                t, j, in_use = live_item(loop_info.index[0], live_gmem[0], n_col_blocks, tile.group_m)
-                seg = jnp.where(in_use, visits_gmem[0, t], groups + UNUSED)
-                row0, first, last = (visits_gmem[i, t] for i in range(1, 4))
+                seg, row0, first, last, j = live_visit(visits_gmem, live_gmem[0], loop_info.index[0], n_col_blocks,
+                                                       tile.group_m, groups)
                 window = a_gmem.at[pl.ds(pl.multiple_of(row0, TMA_ROWS), bm)]  # past M: TMA reads zeros
                 col0 = j * bn + wg * wg_cols
 
