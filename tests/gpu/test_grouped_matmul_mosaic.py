@@ -15,6 +15,7 @@ import pytest
 
 from mjax.kernels.grouped_matmul import KernelTile, Tiling, grouped_matmul, mosaic
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
+from tests.helpers.grouped_oracle import assert_per_group
 
 pytestmark = pytest.mark.gpu
 
@@ -48,18 +49,6 @@ TILINGS = {
 SHAPES = {"default": (1408, 192), "two compute warpgroups": (384, 256)}  # (K, N); the others (256, 128)
 
 
-def _per_group(x, w, dy, sizes):
-    """float64 per-group products of the bf16 values: y, dx, dw (padding rows zero)."""
-    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
-    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
-    start = 0
-    for g, size in enumerate(sizes):
-        rows = slice(start, start + size)
-        y[rows], dx[rows], dw[g] = x[rows] @ w[g], dy[rows] @ w[g].T, x[rows].T @ dy[rows]
-        start += size
-    return y, dx, dw
-
-
 needs_hopper = pytest.mark.skipif(jax.default_backend() != "gpu" or
                                   float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0,
                                   reason="the Mosaic GPU kernels need a Hopper GPU")
@@ -82,7 +71,7 @@ def test_mosaic_equals_per_group_products(case, tiling):
         return grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), impl="mosaic", tiling=TILINGS[tiling])
 
     y, vjp = jax.vjp(f, x, w)
-    _assert_per_group(sizes, x, w, dy, y, *vjp(dy))
+    assert_per_group(sizes, x, w, dy, y, *vjp(dy))
 
 
 @needs_hopper
@@ -102,18 +91,4 @@ def test_uneven_groups_on_few_programs(specialized, num_sms):
     y = mosaic.forward(x, w, gs, tile=tiles.forward, num_sms=num_sms)
     dx = mosaic.dgrad(dy, w, gs, tile=tiles.dgrad, num_sms=num_sms)
     dw = mosaic.wgrad(x, dy, gs, tile=tiles.wgrad, num_sms=num_sms)
-    _assert_per_group(sizes, x, w, dy, y, dx, dw)
-
-
-def _assert_per_group(sizes, x, w, dy, y, dx, dw):
-    total = sum(sizes)
-    want = _per_group(x[:total], w, dy[:total], sizes)
-    for name, got, ref in zip(("y", "dx", "dw"), (y, dx, dw), want):
-        got = np.asarray(got, np.float64)
-        if name != "dw":
-            assert np.all(got[total:] == 0), f"{name}: padding rows are not zero"
-            got = got[:total]
-            ref = ref[:total]
-        # Both accumulate in float32 and round once to bf16: within one bf16 ulp of the largest value, twice.
-        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-        assert err <= 2.0**-7, f"{name}: max error / max |ref| = {err:.2e}"
+    assert_per_group(sizes, x, w, dy, y, dx, dw)

@@ -1,6 +1,7 @@
 """Grouped matmul on Hopper in Pallas Mosaic GPU: TMA loads into swizzled shared memory, wgmma, one persistent
 program per SM walking the output tiles. Forward, input gradient (dgrad) and weight gradient (wgrad) behind a
-custom_vjp, float32 accumulation; bfloat16 / float16 operands. GPU only (no interpreter): the CPU tests lower it.
+custom_vjp, float32 accumulation; bfloat16 / float16 operands. Runs on a Hopper GPU; on CPU the tests lower it for
+one and run it under JAX's Mosaic GPU interpreter (`interpret`: the interpreter's parameters, None on a GPU).
 
     y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms)
 
@@ -75,7 +76,7 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
     return None
 
 
-def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int):
+def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret=None):
     """out [M, C] = a [M, D] . w[g] [D, C] per group (transpose_w: w[g] [C, D] contracted transposed); zero rows
     past sum(group_sizes)."""
     rows, depth = a.shape
@@ -125,11 +126,12 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((rows, cols), a.dtype), grid=(num_sms,), grid_names=("sm",),
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(visits, live, a, w)
 
 
-def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
+def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
     """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group."""
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]
@@ -177,6 +179,7 @@ def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((groups, k, n), x.dtype), grid=(num_sms,), grid_names=("sm",),
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(bounds, x, dy)
 
@@ -185,26 +188,26 @@ def _row_kernel(tile: KernelTile):
     return mosaic_specialized.row_block_matmul if tile.num_warps in MOSAIC_SPECIALIZED_WARPS else _row_block_matmul
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
-def forward(x, w, group_sizes, *, tile: KernelTile, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms", "interpret"))
+def forward(x, w, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
     """y [M, N] = x [M, K] . w[g] [K, N] per group, zero rows past sum(group_sizes); y in x.dtype."""
-    return _row_kernel(tile)(x, w, group_sizes, tile=tile, transpose_w=False, num_sms=num_sms)
+    return _row_kernel(tile)(x, w, group_sizes, tile=tile, transpose_w=False, num_sms=num_sms, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
-def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms", "interpret"))
+def dgrad(dy, w, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
     """dx [M, K] = dy [M, N] . w[g]^T per group, zero rows past sum(group_sizes); dx in dy.dtype."""
-    return _row_kernel(tile)(dy, w, group_sizes, tile=tile, transpose_w=True, num_sms=num_sms)
+    return _row_kernel(tile)(dy, w, group_sizes, tile=tile, transpose_w=True, num_sms=num_sms, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "num_sms"))
-def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("tile", "num_sms", "interpret"))
+def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
     """dw [G, K, N] = x_g^T dy_g per group (zeros for empty groups), in x.dtype."""
     kernel = mosaic_specialized.wgrad if tile.num_warps in MOSAIC_SPECIALIZED_WARPS else _wgrad
-    return kernel(x, dy, group_sizes, tile=tile, num_sms=num_sms)
+    return kernel(x, dy, group_sizes, tile=tile, num_sms=num_sms, interpret=interpret)
 
 
-def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):
+def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int, interpret=None):
     """The differentiable grouped matmul; see the module docstring. Shapes and tiling are checked by the caller.
     A row count that is no multiple of 8 (the TMA copies' row tiling), or fewer rows than one window of a kernel, is
     padded up: the added rows are padding rows, and they are cut off again."""
@@ -212,24 +215,24 @@ def grouped_matmul_mosaic(x, w, group_sizes, tiling: Tiling, num_sms: int):
     window = max(tiling.forward.block_m, tiling.dgrad.block_m, tiling.wgrad.block_k)
     padded = max(-(-rows // TMA_ROWS) * TMA_ROWS, window)
     if padded == rows:
-        return _grouped(x, w, group_sizes, tiling, num_sms)
-    return _grouped(jnp.pad(x, ((0, padded - rows), (0, 0))), w, group_sizes, tiling, num_sms)[:rows]
+        return _grouped(x, w, group_sizes, tiling, num_sms, interpret)
+    return _grouped(jnp.pad(x, ((0, padded - rows), (0, 0))), w, group_sizes, tiling, num_sms, interpret)[:rows]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, tiling: Tiling, num_sms: int):
-    return forward(x, w, group_sizes, tile=tiling.forward, num_sms=num_sms)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x, w, group_sizes, tiling: Tiling, num_sms: int, interpret):
+    return forward(x, w, group_sizes, tile=tiling.forward, num_sms=num_sms, interpret=interpret)
 
 
-def _fwd(x, w, group_sizes, tiling, num_sms):
-    return _grouped(x, w, group_sizes, tiling, num_sms), (x, w, group_sizes)
+def _fwd(x, w, group_sizes, tiling, num_sms, interpret):
+    return _grouped(x, w, group_sizes, tiling, num_sms, interpret), (x, w, group_sizes)
 
 
-def _bwd(tiling, num_sms, residuals, dy):
+def _bwd(tiling, num_sms, interpret, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = dgrad(dy, w, group_sizes, tile=tiling.dgrad, num_sms=num_sms)
-    dw = wgrad(x, dy, group_sizes, tile=tiling.wgrad, num_sms=num_sms).astype(w.dtype)
+    dx = dgrad(dy, w, group_sizes, tile=tiling.dgrad, num_sms=num_sms, interpret=interpret)
+    dw = wgrad(x, dy, group_sizes, tile=tiling.wgrad, num_sms=num_sms, interpret=interpret).astype(w.dtype)
     return dx, dw, None
 
 

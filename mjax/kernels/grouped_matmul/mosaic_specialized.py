@@ -36,10 +36,10 @@ def _pipeline(body, context, specs, grid, stages, n_compute, **chaining):
         max_concurrent_steps=stages, compute_context=context, **chaining)
 
 
-def _kernel(body, out_type, scratch, num_sms, n_compute):
+def _kernel(body, out_type, scratch, num_sms, n_compute, interpret):
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(num_sms,), grid_names=("sm",),
-        num_threads=n_compute + 1, thread_name="wg",
+        num_threads=n_compute + 1, thread_name="wg", interpret=interpret,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -52,7 +52,7 @@ def _columns(ref, wg, width: int, axis: int):
     return ref.at[tuple(index)]
 
 
-def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int):
+def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret=None):
     """out [M, C] = a [M, D] . w[g] [D, C] per group (transpose_w: w[g] [C, D] contracted transposed); zero rows
     past sum(group_sizes).
 
@@ -153,11 +153,11 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
             plgpu.wait_smem_to_gmem(0)
 
     kernel = _kernel(body, jax.ShapeDtypeStruct((rows, cols), a.dtype),
-                     [plgpu.SMEM((n_compute, bm, epi_cols), a.dtype)], num_sms, n_compute)
+                     [plgpu.SMEM((n_compute, bm, epi_cols), a.dtype)], num_sms, n_compute, interpret)
     return kernel(visits, live, a, w)
 
 
-def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
+def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
     """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group.
 
     A tile's trip count (its group's chunks) is known only at run time, which `emit_pipeline_warp_specialized`
@@ -265,5 +265,6 @@ def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int):
                 plgpu.wait_smem_to_gmem(0)
 
     kernel = _kernel(body, jax.ShapeDtypeStruct((groups, k, n), x.dtype),
-                     [plgpu.SMEM((n_compute, bm, epi_cols), x.dtype, transforms=tf)], num_sms, n_compute)
+                     [plgpu.SMEM((n_compute, bm, epi_cols), x.dtype, transforms=tf)], num_sms, n_compute,
+                     interpret)
     return kernel(bounds, x, dy)
