@@ -2,12 +2,14 @@
 reference for --check and the comparison against it, jit'ed forward and forward + backward of a grouped matmul,
 the TFLOP/s of a timing, the table's rows from several passes of timings and the waves of the Mosaic row kernels."""
 
+import heapq
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import pass_ratios
-from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item, live_visits
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS, live_item, live_visits, wgrad_bounds
 from mjax.kernels.grouped_matmul.schedule import row_tiles
 from mjax.kernels.grouped_matmul.tiling import default_mosaic_tiling
 
@@ -158,3 +160,33 @@ def mosaic_row_waves(shape, sizes, programs: int) -> dict | None:
         return None
     return {kernel: row_kernel_waves(sizes, g * r, tile, cols, programs)
             for kernel, tile, cols in (("forward", tiling.forward, n), ("dgrad", tiling.dgrad, k))}
+
+
+def round_robin_loads(costs, programs: int) -> np.ndarray:
+    """[programs] work of each program when the items of these costs are dealt round-robin in order."""
+    return np.bincount(np.arange(len(costs)) % programs, weights=costs, minlength=programs)
+
+
+def greedy_loads(costs, programs: int) -> np.ndarray:
+    """[programs] work of each program when each item, in order, goes to the program free first (a work queue)."""
+    free = [(0.0, p) for p in range(programs)]
+    for cost in costs:
+        load, p = heapq.heappop(free)
+        heapq.heappush(free, (load + cost, p))
+    return np.array([load for load, _ in sorted(free, key=lambda f: f[1])])
+
+
+def mosaic_wgrad_balance(shape, sizes, programs: int) -> dict | None:
+    """The busiest program's work over the mean in the Mosaic wgrad at its default tile for (G, rows, N, K) = shape:
+    its (group, K tile, N tile) items each cost their group's block_k chunks and one more for the store; `static`
+    deals them round-robin in order, `queue` as its work queue does (mosaic_queue: greedy, in order). None where no
+    default tiling exists."""
+    g, r, n, k = shape
+    tiling = default_mosaic_tiling(k, n)
+    if tiling is None:
+        return None
+    tile = tiling.wgrad
+    chunks = np.asarray(wgrad_bounds(jnp.asarray(sizes, jnp.int32), g * r, tile.block_k))[3]
+    costs = np.repeat(chunks + 1, (k // tile.block_m) * (n // tile.block_n))
+    return {deal: float(loads.max() / loads.mean()) for deal, loads in
+            (("static", round_robin_loads(costs, programs)), ("queue", greedy_loads(costs, programs)))}
