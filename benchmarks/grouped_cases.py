@@ -179,8 +179,8 @@ def greedy_loads(costs, programs: int) -> np.ndarray:
 def mosaic_wgrad_balance(shape, sizes, programs: int) -> dict | None:
     """The busiest program's work over the mean in the Mosaic wgrad at its default tile for (G, rows, N, K) = shape:
     its (group, K tile, N tile) items each cost their group's block_k chunks and one more for the store; `static`
-    deals them round-robin in order, `queue` as its work queue does (mosaic_queue: greedy, in order). None where no
-    default tiling exists."""
+    deals them round-robin in order, as the kernel does; `queue` as a work queue would (the greedy list schedule:
+    each item, in order, to the program free first). None where no default tiling exists."""
     g, r, n, k = shape
     tiling = default_mosaic_tiling(k, n)
     if tiling is None:

@@ -380,7 +380,7 @@ def test_greedy_and_round_robin_loads():
 
 
 def test_wgrad_balance_of_the_documented_rows():
-    """docs/moe.md's wgrad queue: the 16-group skewed row's one long group (96 items of 257 steps among 1440 of 19)
+    """docs/moe.md's wgrad deal: the 16-group skewed row's one long group (96 items of 257 steps among 1440 of 19)
     leaves its programs 1.18x the mean under round-robin and 1.04x under the queue; balanced rows deal alike."""
     skewed = mosaic_wgrad_balance((16, 2048, 768, 2048), group_sizes("skewed", 16, 2048), 132)
     assert skewed["static"] == pytest.approx(1.182, abs=1e-3) and skewed["queue"] == pytest.approx(1.038, abs=1e-3)
