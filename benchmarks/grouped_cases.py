@@ -1,6 +1,7 @@
 """The grouped-matmul benchmark's cases: row distributions over the groups, random operands, the per-group
 reference for --check and the comparison against it, jit'ed forward and forward + backward of a grouped matmul,
-the TFLOP/s of a timing, the table's rows from several passes of timings and the waves of the Mosaic row kernels."""
+the TFLOP/s of a timing, the table's rows from several passes of timings, the waves of the Mosaic row kernels and
+a model of the Mosaic wgrad's balance under its round-robin deal and under a work queue."""
 
 import heapq
 

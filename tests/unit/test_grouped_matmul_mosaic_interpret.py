@@ -5,7 +5,8 @@ warpgroups) on one and three programs, with empty groups, groups of one and of 6
 wgrad chunk, NaN padding rows, and a Dirichlet load whose many short wgrad tiles chain through one ring.
 
 The wgrad on two compute warpgroups masks x from both of them at once, each writing the bits the other writes
-(mosaic_specialized.wgrad); the race detector would flag that, so that family runs without it."""
+(mosaic_specialized.wgrad), which happens only where a group's last chunk reaches into the padding rows; the race
+detector would flag that, so that family runs without it where there are padding rows."""
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +17,16 @@ from mjax.kernels.grouped_matmul import KernelTile, Tiling
 from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
 from tests.helpers.grouped_oracle import assert_per_group
 
-try:  # a private module of jax >= 0.12
+# A private module. jax 0.11.2 has one too, but it rejects the chained row kernels: their memory warpgroup never
+# waits out the last consumed phases of its barriers (harmless on the GPU, every load issued being consumed).
+if jax.__version_info__ < (0, 12):
+    pytest.skip("the Mosaic GPU interpreter these kernels run under is jax >= 0.12's", allow_module_level=True)
+try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 except ImportError as e:
     pytest.skip(f"no Mosaic GPU interpreter in this jax: {e}", allow_module_level=True)
 
-TILINGS = {  # (tiling, K, N, race detection)
+TILINGS = {  # (tiling, K, N, race detection with padding rows)
     "one warpgroup": (Tiling(KernelTile(128, 128, 64, 4, 2, 4), KernelTile(128, 128, 64, 4, 2, 4),
                              KernelTile(128, 128, 64, 4, 3, 4)), 256, 128, True),
     # dgrad's 256 columns in a whole and a partial 192-column tile; wgrad 3 stages over its chained items
@@ -32,18 +37,19 @@ TILINGS = {  # (tiling, K, N, race detection)
 }
 
 
-def _dirichlet():
+def _dirichlet(rows: int, padding: int):
     rng = np.random.default_rng(0)
-    return rng.multinomial(900, rng.dirichlet(np.full(24, 0.3))).tolist(), 1000
+    return rng.multinomial(rows - padding, rng.dirichlet(np.full(24, 0.3))).tolist(), rows
 
 
 CASES = {  # group sizes, M rows (rows past the sum are padding)
     # 63- and 1-row groups, empty first and inner groups, 249 padding rows
     "ragged": ([0, 137, 0, 300, 63, 1, 0, 250], 1000),
     "one group": ([0, 0, 777, 0], 777),
-    "dirichlet": _dirichlet(),
+    "dirichlet": _dirichlet(1000, 100),
+    "dirichlet, no padding": _dirichlet(904, 0),  # no masking of x: every family runs with the race detector
 }
-FAST = {("ragged", "memory and compute warpgroups", 3), ("ragged", "two compute warpgroups", 3),
+FAST = {("ragged", "memory and compute warpgroups", 3), ("dirichlet, no padding", "two compute warpgroups", 3),
         ("one group", "one warpgroup", 1)}
 
 
@@ -67,7 +73,7 @@ def test_interpreted_kernels_equal_per_group_products(case, tiling, num_sms):
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16).at[total:].set(jnp.nan)  # padding must not leak
     w = (jax.random.normal(keys[1], (len(sizes), k, n)) * k**-0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16).at[total:].set(jnp.nan)
-    interpret = InterpretGPUParams(detect_races=races, uninitialized_memory="nan")
+    interpret = InterpretGPUParams(detect_races=races or total == m, uninitialized_memory="nan")
     gs = jnp.asarray(sizes, jnp.int32)
     y, vjp = jax.vjp(lambda x, w: grouped_matmul_mosaic(x, w, gs, tiles, num_sms, interpret), x, w)
     assert_per_group(sizes, x, w, dy, y, *vjp(dy))

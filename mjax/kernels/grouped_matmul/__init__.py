@@ -111,7 +111,7 @@ def _mosaic_problem(*, backend, dtype, k, n, tiling, fp8_grad, blockwise) -> str
     from mjax.kernels.grouped_matmul.mosaic import MOSAIC_DTYPES, mosaic_tile_problem  # noqa: PLC0415
 
     if backend != "gpu":
-        return f"mosaic runs only on a GPU (Hopper), not on {backend} (it has no interpreter)"
+        return f"mosaic runs only on a GPU (Hopper), not on {backend} (its interpreter runs in the tests only)"
     if fp8_grad is not None or blockwise:
         return "mosaic has no FP8 kernels; the FP8 recipes run on pallas"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:

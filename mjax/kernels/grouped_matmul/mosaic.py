@@ -1,9 +1,10 @@
 """Grouped matmul on Hopper in Pallas Mosaic GPU: TMA loads into swizzled shared memory, wgmma, one persistent
 program per SM walking the output tiles. Forward, input gradient (dgrad) and weight gradient (wgrad) behind a
-custom_vjp, float32 accumulation; bfloat16 / float16 operands. Runs on a Hopper GPU; on CPU the tests lower it for
-one and run it under JAX's Mosaic GPU interpreter (`interpret`: the interpreter's parameters, None on a GPU).
+custom_vjp, float32 accumulation; bfloat16 / float16 operands. Runs on a Hopper GPU. On CPU the tests lower it for
+a Hopper GPU and run it under JAX's Mosaic GPU interpreter (`interpret`: the interpreter's parameters; None, the
+default, on a GPU).
 
-    y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms)
+    y [M, N] = grouped_matmul_mosaic(x [M, K], w [G, K, N], group_sizes [G], tiling, num_sms, interpret=None)
 
 Forward and dgrad walk the visits of `schedule.row_tiles` times column blocks, the visits in use first in a snake
 over them alone (`mosaic_parts.live_item`). Each visit is a block_m-row window from the
