@@ -15,6 +15,7 @@ import pytest
 
 from mjax.kernels.grouped_matmul import KernelTile, Tiling
 from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
+from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS
 from tests.helpers.grouped_oracle import assert_per_group
 
 # A private module. jax 0.11.2 has one too, but it rejects the chained row kernels: their memory warpgroup never
@@ -73,7 +74,7 @@ def test_interpreted_kernels_equal_per_group_products(case, tiling, num_sms):
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16).at[total:].set(jnp.nan)  # padding must not leak
     w = (jax.random.normal(keys[1], (len(sizes), k, n)) * k**-0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16).at[total:].set(jnp.nan)
-    no_padding = total == m and m % 8 == 0  # grouped_matmul_mosaic pads M to whole 8-row tiles
+    no_padding = total == m and m % TMA_ROWS == 0  # grouped_matmul_mosaic pads M to whole TMA row tiles
     interpret = InterpretGPUParams(detect_races=races or no_padding, uninitialized_memory="nan")
     gs = jnp.asarray(sizes, jnp.int32)
     y, vjp = jax.vjp(lambda x, w: grouped_matmul_mosaic(x, w, gs, tiles, num_sms, interpret), x, w)

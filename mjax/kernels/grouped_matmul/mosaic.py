@@ -77,7 +77,7 @@ def mosaic_tile_problem(kernel: str, tile: KernelTile, k: int, n: int) -> str | 
     return None
 
 
-def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret=None):
+def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret):
     """out [M, C] = a [M, D] . w[g] [D, C] per group (transpose_w: w[g] [C, D] contracted transposed); zero rows
     past sum(group_sizes)."""
     rows, depth = a.shape
@@ -132,7 +132,7 @@ def _row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool,
     return kernel(visits, live, a, w)
 
 
-def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
+def _wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret):
     """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group."""
     (rows, k), n = x.shape, dy.shape[1]
     groups = group_sizes.shape[0]

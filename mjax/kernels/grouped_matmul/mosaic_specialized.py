@@ -52,7 +52,7 @@ def _columns(ref, wg, width: int, axis: int):
     return ref.at[tuple(index)]
 
 
-def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret=None):
+def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, num_sms: int, interpret):
     """out [M, C] = a [M, D] . w[g] [D, C] per group (transpose_w: w[g] [C, D] contracted transposed); zero rows
     past sum(group_sizes).
 
@@ -157,7 +157,7 @@ def row_block_matmul(a, w, group_sizes, *, tile: KernelTile, transpose_w: bool, 
     return kernel(visits, live, a, w)
 
 
-def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret=None):
+def wgrad(x, dy, group_sizes, *, tile: KernelTile, num_sms: int, interpret):
     """dw [G, K, N] = x_g^T dy_g per group, zeros for an empty group.
 
     A tile's trip count (its group's chunks) is known only at run time, which `emit_pipeline_warp_specialized`
