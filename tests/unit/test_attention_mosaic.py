@@ -155,7 +155,7 @@ def _lower(b, t, s, n, kh, h, dtype, *, segments=False, traced_offset=False, **k
     def attention(q, k, v, *extra):
         offset = extra[0] if traced_offset else None
         seg = extra[-1] if segments else None
-        return flash_attention(q, k, v, segment_ids=seg, offset=offset, kernel="mosaic", **kw)
+        return flash_attention(q, k, v, segment_ids=seg, offset=offset, kernel="mosaic", interpret=False, **kw)
 
     def fwd_bwd(q, k, v, cotangent, *extra):
         out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, *extra), q, k, v)
@@ -195,7 +195,7 @@ def test_gradient_under_remat_lowers_for_cuda():
     """The model's path: jax.grad through jax.checkpoint keeping the kernel's results (remat name attn_core); the
     custom_vjp's primal and forward rule must return the same container (a list from the kernel failed here)."""
     def loss(q, k, v):
-        attend = jax.checkpoint(lambda q, k, v: flash_attention(q, k, v, kernel="mosaic"),
+        attend = jax.checkpoint(lambda q, k, v: flash_attention(q, k, v, kernel="mosaic", interpret=False),
                                 policy=jax.checkpoint_policies.save_only_these_names(ATTN_CORE))
         return attend(q, k, v).astype(jnp.float32).sum()
 

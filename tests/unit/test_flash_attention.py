@@ -6,8 +6,6 @@ shapes, masks, dtypes and GQA ratios; small blocks (16/32) make even these short
 ragged tails included.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from mjax.kernels.attention import AttentionUnsupported, reference_attention
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.flash_common import BlockSizes, MaskSpec, segment_block_bounds
+from tests.helpers.flash_oracle import TOL, check, inputs, random_seed, rel
 from tests.helpers.gpu_lowering import lower_for_h200
 
 # jax warns on every Triton-lowered pallas_call; pytest's own warning filters would show it 15 times
@@ -24,59 +23,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16,
                    num_warps=4, num_stages=2)
 TINY = BlockSizes(block_q=16, block_k=16, block_q_dq=16, block_k_dq=16, block_q_dkv=16, block_k_dkv=16)
-# relative Frobenius error allowed per input dtype (the kernel rounds P to the input dtype before P @ V)
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 1.5e-3}
-
-
-def _seed():
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _inputs(seed, b, t, s, n, kh, h, dtype, segments):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(dtype)
-    dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32)
-    seg = None
-    if segments:  # sorted ids = packed documents of random lengths
-        seg = jnp.sort(jax.random.randint(ks[5], (b, t), 0, 4), axis=1)
-    return q, k, v, do, dlse, seg
-
-
-def _check(seed, b, t, s, n, kh, h, dtype, *, causal, window, segments, blocks, lse_grad=True):
-    q, k, v, do, dlse, seg = _inputs(seed, b, t, s, n, kh, h, dtype, segments)
-    kw = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True)
-
-    @jax.jit
-    def both(q, k, v, do, dlse):
-        dl = dlse if lse_grad else jnp.zeros_like(dlse)
-        (o, lse), f_vjp = jax.vjp(lambda *a: flash_attention(*a, block_sizes=blocks, **kw), q, k, v)
-        (ro, rlse), r_vjp = jax.vjp(lambda *a: reference_attention(*a, **kw), q, k, v)
-        return (o, lse, *f_vjp((do, dl))), (ro, rlse, *r_vjp((do, dl)))
-
-    got, want = both(q, k, v, do, dlse)
-    msg = f"seed={seed} shape=(b{b},t{t},s{s},n{n},k{kh},h{h}) {jnp.dtype(dtype).name} causal={causal} window={window}"
-    tol = TOL[dtype]
-    o, lse, dq, dk, dv = got
-    ro, rlse, rdq, rdk, rdv = want
-    assert o.shape == ro.shape and o.dtype == ro.dtype, msg
-    assert lse.shape == (b, n, t) and lse.dtype == jnp.float32, msg
-    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse), err_msg=msg)
-    fin = np.isfinite(np.asarray(rlse))
-    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], atol=2e-3, rtol=1e-4, err_msg=msg)
-    for name, g, r in (("out", o, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
-        assert g.shape == r.shape and g.dtype == r.dtype, f"{name} {msg}"
-        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name} not finite: {msg}"
-        assert _rel(g, r) < tol, f"{name}: relative error {_rel(g, r):.2e} >= {tol}: {msg}"
-
-
 # (b, t, s, n, kh, h, dtype, causal, window, segments, blocks)
 GRID = [
     pytest.param(1, 64, 64, 2, 2, 64, jnp.bfloat16, True, None, False, SMALL, id="mha-causal-bf16-h64"),
@@ -94,15 +40,15 @@ GRID = [
 
 @pytest.mark.parametrize("b,t,s,n,kh,h,dtype,causal,window,segments,blocks", GRID)
 def test_matches_reference(b, t, s, n, kh, h, dtype, causal, window, segments, blocks):
-    _check(_seed(), b, t, s, n, kh, h, dtype, causal=causal, window=window, segments=segments, blocks=blocks)
+    check(random_seed(), b, t, s, n, kh, h, dtype, causal=causal, window=window, segments=segments, blocks=blocks)
 
 
 def test_packed_batch_equals_separate_documents():
-    seed = _seed()
+    seed = random_seed()
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.permutation([13, 13, 38])]  # 64 tokens, ragged against the 16/32 blocks
     t, n, kh, h = sum(lengths), 4, 2, 32
-    q, k, v, do, _, _ = _inputs(seed, 1, t, t, n, kh, h, jnp.float32, False)
+    q, k, v, do, _, _ = inputs(seed, 1, t, t, n, kh, h, jnp.float32, False)
     seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
     bounds = np.cumsum([0, *lengths])
 
@@ -127,8 +73,8 @@ def test_packed_batch_equals_separate_documents():
 
 def test_segment_pair_for_ring_attention():
     """(q_segment_ids, kv_segment_ids) with T != S, as one ring step over a key chunk sees them."""
-    seed = _seed()
-    q, k, v, do, dlse, _ = _inputs(seed, 1, 32, 48, 2, 1, 32, jnp.float32, False)
+    seed = random_seed()
+    q, k, v, do, dlse, _ = inputs(seed, 1, 32, 48, 2, 1, 32, jnp.float32, False)
     ks = jax.random.split(jax.random.PRNGKey(seed + 1))
     segs = (jnp.sort(jax.random.randint(ks[0], (1, 32), 0, 3)), jnp.sort(jax.random.randint(ks[1], (1, 48), 0, 3)))
     kw = dict(causal=False, segment_ids=segs, return_lse=True)
@@ -142,7 +88,7 @@ def test_segment_pair_for_ring_attention():
     (lse, rlse), got, want = both(q, k, v, do, dlse)
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert _rel(a, b) < TOL[jnp.float32], f"{name} seed={seed}"
+        assert rel(a, b) < TOL[jnp.float32], f"{name} seed={seed}"
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -170,7 +116,7 @@ def test_block_sizes_must_be_powers_of_two():
 def test_block_ranges_match_brute_force():
     """The block-skipping math, exhaustively against the dense mask: every block with a visible entry is visited,
     and every block run without the positional mask is entirely visible (segment ids are applied in every run)."""
-    rng = np.random.default_rng(_seed())
+    rng = np.random.default_rng(random_seed())
     for _ in range(150):
         bq, bk = (int(x) for x in rng.choice([16, 32, 64], 2))
         t = int(rng.integers(1, 200))

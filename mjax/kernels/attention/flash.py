@@ -14,8 +14,8 @@ a traced int32 scalar or [B] array is a kernel operand: context parallelism's bl
 mesh the forward and the backward kernel each run per shard of the batch and heads (sharded.py).
 
 Two kernel families share this wrapper (`kernel=`): "pallas", Triton lowering, which runs interpreted on CPU (the
-tests) and on any GPU; "mosaic", Hopper's Mosaic GPU kernels (mosaic.py: TMA, wgmma, warp specialisation), GPU
-only. Sequence lengths that are not block multiples are zero-padded here and the padding is masked in the
+tests) and on any GPU; "mosaic", Hopper's Mosaic GPU kernels (mosaic.py: TMA, wgmma, warp specialisation), on
+CPU under jax >= 0.12's Mosaic GPU interpreter (the tests). Sequence lengths that are not block multiples are zero-padded here and the padding is masked in the
 kernels; head dims are zero-padded up to what the kernels tile (a power of two; 64/128/256 for mosaic).
 """
 

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mjax.kernels.attention.errors import AttentionUnsupported
 from mjax.kernels.attention.flash_common import LOG2E, MaskSpec, segment_block_bounds
 from mjax.kernels.attention.mosaic_backward import mosaic_dkv, mosaic_dq
 from mjax.kernels.attention.mosaic_common import MosaicMask
@@ -21,6 +22,7 @@ from mjax.kernels.attention.persistent import deal_order
 from mjax.kernels.device import sm_count
 
 HEAD_DIMS = (64, 128, 256)  # wgmma tiles of 64 columns; other head dims are zero-padded up to the next of these
+INTERPRET_PROGRAMS = 3  # interpreted, a few programs, so that each deals itself several items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,30 +148,41 @@ def block_runs(spec: MaskSpec, offsets, q_seg, kv_seg, *, block_q: int, block_kv
     return runs.astype(jnp.int32)
 
 
-def _deal(x, tile_rows: int, causal: bool):
+def _deal(x, tile_rows: int, causal: bool, interpret: bool):
     """(programs, deal order) of a persistent kernel over the (tile of tile_rows rows, head, batch row) items of
     x [B, L, heads, H]: one program per SM."""
-    (b, length, heads, _), num_sms = x.shape, sm_count()
+    (b, length, heads, _), num_sms = x.shape, INTERPRET_PROGRAMS if interpret else sm_count()
     return num_sms, deal_order(num_sms, heads, length // tile_rows, b, causal)
+
+
+def _interpreter(interpret: bool):
+    """The Mosaic GPU interpreter's parameters where `interpret` asks for it (off the GPU, jax >= 0.12: warpgroups,
+    barriers and TMA copies simulated, races detected, shared memory NaN until written), else None."""
+    if not interpret:
+        return None
+    if jax.__version_info__ < (0, 12):  # 0.11's interpreter cannot lower these kernels' effects
+        raise AttentionUnsupported(f"the mosaic attention kernels run off the GPU only under the Mosaic GPU "
+                                   f"interpreter of jax >= 0.12 (this is jax {jax.__version__})")
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415 (private, CPU only)
+    return InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
 def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, blocks: MosaicBlocks, scale: float,
                       interpret: bool):
-    """The Mosaic forward on padded q [B,Tp,N,H], k/v [B,Sp,K,H] -> (out, lse [B,N,Tp] natural log)."""
-    del interpret  # no interpreter: GPU only
+    """The Mosaic forward on padded q [B,Tp,N,H], k/v [B,Sp,K,H] -> (out, lse [B,N,Tp] natural log); interpret:
+    under the Mosaic GPU interpreter (off the GPU)."""
     offsets = _offsets(spec, offset, q.shape[0])
     runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q, block_kv=blocks.block_kv, by_query=True)
-    num_sms, order = _deal(q, 2 * blocks.block_q, spec.causal)
+    num_sms, order = _deal(q, 2 * blocks.block_q, spec.causal, interpret)
     return mosaic_forward(runs, offsets, q_seg, kv_seg, q, k, v, mask=_mask(spec), scale=scale,
                           block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages, num_sms=num_sms,
-                          order=order)
+                          order=order, interpret=_interpreter(interpret))
 
 
 def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=None, *, spec: MaskSpec,
                           blocks: MosaicBlocks, scale: float, interpret: bool) -> dict:
     """The backward's stages as thunks (for timing them apart): "delta" (XLA: lse2 and rowsum(O dO) - dlse),
     "dq" -> dq, "dkv" -> (dk, dv)."""
-    del interpret  # no interpreter: GPU only
     offsets = _offsets(spec, offset, q.shape[0])
     mask = _mask(spec)
 
@@ -181,19 +194,20 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
                           by_query=True)
-        num_sms, order = _deal(q, 2 * blocks.block_q_dq, spec.causal)
+        num_sms, order = _deal(q, 2 * blocks.block_q_dq, spec.causal, interpret)
         return mosaic_dq(runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask, scale=scale,
                          block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq,
-                         num_sms=num_sms, order=order)
+                         num_sms=num_sms, order=order, interpret=_interpreter(interpret))
 
     def dkv(lse2=None, dlt=None):
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                           by_query=False)
-        num_sms, order = _deal(k, 2 * blocks.block_kv_dkv, spec.causal)
+        num_sms, order = _deal(k, 2 * blocks.block_kv_dkv, spec.causal, interpret)
         call = functools.partial(mosaic_dkv, runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask,
                                  scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
-                                 stages=blocks.stages_dkv, num_sms=num_sms, order=order)
+                                 stages=blocks.stages_dkv, num_sms=num_sms, order=order,
+                                 interpret=_interpreter(interpret))
         if q.shape[-1] > 128:  # one [64, 256] float32 accumulator per warpgroup: dk and dv in two passes
             (dk,), (dv,) = call(parts=("dk",)), call(parts=("dv",))
             return dk, dv

@@ -36,7 +36,7 @@ def _segment_ids(ref, batch, start, size, layout):
 
 
 def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
-        block_kv: int, stages: int, num_sms: int, order: str):
+        block_kv: int, stages: int, num_sms: int, order: str, interpret):
     """Persistent like the forward (mosaic_forward.py): one program per SM works through its (query tile, head, batch
     row) items in `order`, the K/V ring streaming on from one item into the next and the next item's Q, dO, lse2
     and delta loading into a second buffer (where shared memory has room) while this one runs."""
@@ -170,13 +170,13 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
     segs = (q_seg, kv_seg) if segments else ()
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(ranges, offset, *segs, q, k, v, do, lse2, delta)
 
 
 def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
-         block_kv: int, stages: int, parts: tuple, num_sms: int, order: str):
+         block_kv: int, stages: int, parts: tuple, num_sms: int, order: str, interpret):
     """Persistent over (key tile, KV head, batch row) items like the dq kernel; the deal's tile order runs the
     other way (a causal key tile t sees the queries from t on: the first tiles are the heaviest)."""
     b, t, n, h = q.shape
@@ -349,6 +349,10 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
                     def _():
                         plgpu.barrier_wait(q_free.at[slot])
                         plgpu.barrier_wait(do_free.at[slot])
+                        # The compute warpgroups read lse and delta with plain loads (the generic proxy), and the
+                        # TMA writes the stage again through the async proxy: PTX orders accesses across proxies
+                        # only through a proxy fence, not through the barrier alone.
+                        plgpu.commit_smem()
 
                     q_head = kv_head * groups + g
                     rows = pl.ds(blk * block_q, block_q)
@@ -380,26 +384,27 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype) for _ in parts]
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch,
-        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(ranges, offset, *segs, q, k, v, do, lse2, delta)
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order"))
+                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order",
+                                    "interpret"))
 def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
-              num_sms, order):
+              num_sms, order, interpret=None):
     """dq [B,T,N,H] (T a multiple of 2 * block_q, S of block_kv); ranges over key blocks per query tile; num_sms
     programs deal the items in `order` (persistent.py)."""
     return _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
-               block_kv=block_kv, stages=stages, num_sms=num_sms, order=order)
+               block_kv=block_kv, stages=stages, num_sms=num_sms, order=order, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "parts", "num_sms",
-                                             "order"))
+                                             "order", "interpret"))
 def mosaic_dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
-               parts=("dk", "dv"), num_sms, order):
+               parts=("dk", "dv"), num_sms, order, interpret=None):
     """[dk, dv] (those `parts` names) [B,S,K,H] (S a multiple of 2 * block_kv, T of block_q); ranges over query
     blocks per key tile; num_sms programs deal the items in `order` (persistent.py)."""
     return _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
-                block_kv=block_kv, stages=stages, parts=parts, num_sms=num_sms, order=order)
+                block_kv=block_kv, stages=stages, parts=parts, num_sms=num_sms, order=order, interpret=interpret)

@@ -33,7 +33,7 @@ from mjax.kernels.attention.persistent import persistent_work, persistent_works
 
 
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-             block_kv: int, stages: int, num_sms: int, order: str):
+             block_kv: int, stages: int, num_sms: int, order: str, interpret):
     b, t, n, h = q.shape
     kh = k.shape[2]
     groups = n // kh
@@ -213,15 +213,18 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*operands)
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order"))
+                   static_argnames=("mask", "scale", "block_q", "block_kv", "stages", "num_sms", "order",
+                                    "interpret"))
 def mosaic_forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
-                   block_kv: int, stages: int, num_sms: int, order: str):
+                   block_kv: int, stages: int, num_sms: int, order: str, interpret=None):
     """out [B,T,N,H], lse [B,N,T] of q [B,T,N,H], k/v [B,S,K,H] (T a multiple of 2 * block_q, S of block_kv), on
-    num_sms programs dealing the items in `order` (persistent.py)."""
+    num_sms programs dealing the items in `order` (persistent.py); interpret: the Mosaic GPU interpreter's
+    parameters, or None on a GPU."""
     return _forward(ranges, offset, q_seg, kv_seg, q, k, v, mask=mask, scale=scale, block_q=block_q,
-                    block_kv=block_kv, stages=stages, num_sms=num_sms, order=order)
+                    block_kv=block_kv, stages=stages, num_sms=num_sms, order=order, interpret=interpret)
