@@ -339,7 +339,7 @@ def main():
         if blocks is None:
             print("sweep: no forward configuration ran; the table uses the defaults", flush=True)
     blocks = {"pallas": blocks or default_block_sizes(heads[2])}
-    if hopper() and not FLAGS.smoke:  # the Mosaic GPU kernels: Hopper only, no interpreter
+    if hopper() and not FLAGS.smoke:  # the Mosaic GPU kernels: timed on Hopper only (their interpreter is for tests)
         mosaic = None
         if FLAGS.tune and "mosaic" in FLAGS.sweep_kernels:
             print(f"\nmosaic block sweep at T={tune_t}, B={tune_b}:", flush=True)

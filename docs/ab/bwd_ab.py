@@ -1,5 +1,7 @@
-"""Backward A/B of one source tree (PYTHONPATH picks it): causal T=4096 (B=8) and 8192 (B=4);
-ms of forward, backward, the dk/dv stage (its kernel, XLA's delta and block runs), cuDNN f+b in the same process; output hashes."""
+"""Backward A/B of one source tree (PYTHONPATH picks it): causal T=4096 (B=8) and 8192 (B=4); ms of forward,
+backward, the dk/dv stage (its kernel, XLA's delta and block runs), cuDNN f+b in the same process; output hashes.
+(The packed branches are kept from the run that wrote docs/results/h100-2026-12-07c/fence_*.log, which timed no
+packed case.)"""
 import hashlib, sys
 from mjax.xla_flags import apply_defaults
 apply_defaults()

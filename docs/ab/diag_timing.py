@@ -1,6 +1,6 @@
 """Why the main table's uneven mosaic timings are slower than the kernels timed alone: same process, table path
 (grouped_matmul) vs kernels alone (mosaic.forward/dgrad/wgrad), 50 vs 2000 iterations, right after f+b, clocks."""
-import subprocess, sys
+import subprocess
 from mjax.xla_flags import apply_defaults
 apply_defaults()
 import jax, jax.numpy as jnp

@@ -15,8 +15,9 @@ mesh the forward and the backward kernel each run per shard of the batch and hea
 
 Two kernel families share this wrapper (`kernel=`): "pallas", Triton lowering, which runs interpreted on CPU (the
 tests) and on any GPU; "mosaic", Hopper's Mosaic GPU kernels (mosaic.py: TMA, wgmma, warp specialisation), on
-CPU under jax >= 0.12's Mosaic GPU interpreter (the tests). Sequence lengths that are not block multiples are zero-padded here and the padding is masked in the
-kernels; head dims are zero-padded up to what the kernels tile (a power of two; 64/128/256 for mosaic).
+CPU under jax >= 0.12's Mosaic GPU interpreter (the tests). Sequence lengths that are not block multiples are
+zero-padded here and the padding is masked in the kernels; head dims are zero-padded up to what the kernels tile
+(a power of two; 64/128/256 for mosaic).
 """
 
 import functools

@@ -22,7 +22,7 @@ from mjax.kernels.attention.persistent import deal_order
 from mjax.kernels.device import sm_count
 
 HEAD_DIMS = (64, 128, 256)  # wgmma tiles of 64 columns; other head dims are zero-padded up to the next of these
-INTERPRET_PROGRAMS = 3  # interpreted, a few programs, so that each deals itself several items
+INTERPRET_PROGRAMS = 3  # interpreted, a few programs, so that a program deals itself several items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def block_runs(spec: MaskSpec, offsets, q_seg, kv_seg, *, block_q: int, block_kv
 
 def _deal(x, tile_rows: int, causal: bool, interpret: bool):
     """(programs, deal order) of a persistent kernel over the (tile of tile_rows rows, head, batch row) items of
-    x [B, L, heads, H]: one program per SM."""
+    x [B, L, heads, H]: one program per SM (INTERPRET_PROGRAMS interpreted)."""
     (b, length, heads, _), num_sms = x.shape, INTERPRET_PROGRAMS if interpret else sm_count()
     return num_sms, deal_order(num_sms, heads, length // tile_rows, b, causal)
 
@@ -163,7 +163,11 @@ def _interpreter(interpret: bool):
     if jax.__version_info__ < (0, 12):  # 0.11's interpreter cannot lower these kernels' effects
         raise AttentionUnsupported(f"the mosaic attention kernels run off the GPU only under the Mosaic GPU "
                                    f"interpreter of jax >= 0.12 (this is jax {jax.__version__})")
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415 (private, CPU only)
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415 (private)
+    except ImportError as e:
+        raise AttentionUnsupported(f"no Mosaic GPU interpreter in jax {jax.__version__} ({e}): the mosaic attention "
+                                   "kernels run only on a Hopper GPU here") from None
     return InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
