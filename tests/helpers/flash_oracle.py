@@ -36,9 +36,12 @@ def inputs(seed, b, t, s, n, kh, h, dtype, segments):
     return q, k, v, do, dlse, seg
 
 
-def check(seed, b, t, s, n, kh, h, dtype, *, causal, window, segments, blocks, lse_grad=True, kernel="pallas"):
+def check(seed, b, t, s, n, kh, h, dtype, *, causal, window, segments, blocks, lse_grad=True, kernel="pallas",
+          offset=None):
+    """offset: where query i sits among the keys (an int or a [B] array; default S - T), as context parallelism's
+    blocks pass it."""
     q, k, v, do, dlse, seg = inputs(seed, b, t, s, n, kh, h, dtype, segments)
-    kw = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True)
+    kw = dict(causal=causal, sliding_window=window, segment_ids=seg, return_lse=True, offset=offset)
 
     @jax.jit
     def both(q, k, v, do, dlse):
