@@ -24,14 +24,19 @@ def rel(a, b):
 
 
 def inputs(seed, b, t, s, n, kh, h, dtype, segments):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    """q, k, v, do, dlse and the segment ids: None; segments=True: sorted ids [b, t] (packed documents, T == S);
+    "pair": independently sorted query [b, t] and key [b, s] ids, as a ring step over another chunk's keys sees."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
     q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
     k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dtype)
     v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
     do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(dtype)
     dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32)
     seg = None
-    if segments:  # sorted ids = packed documents of random lengths
+    if segments == "pair":
+        seg = tuple(jnp.sort(jax.random.randint(key, (b, length), 0, 3), axis=1) for key, length in ((ks[5], t),
+                                                                                                 (ks[6], s)))
+    elif segments:  # sorted ids = packed documents of random lengths
         seg = jnp.sort(jax.random.randint(ks[5], (b, t), 0, 4), axis=1)
     return q, k, v, do, dlse, seg
 

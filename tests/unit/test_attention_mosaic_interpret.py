@@ -11,13 +11,12 @@ offset and a (query, key) segment-id pair, as context parallelism's blocks pass 
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from mjax.kernels.attention import AttentionUnsupported, reference_attention
+from mjax.kernels.attention import AttentionUnsupported
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.mosaic import MosaicBlocks, default_mosaic_blocks
-from tests.helpers.flash_oracle import TOL, check, inputs, random_seed, rel
+from tests.helpers.flash_oracle import check, random_seed
 
 try:  # a private module: where jax has none (or 0.11's, which cannot lower these kernels), the call says so
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
@@ -68,22 +67,8 @@ def test_interpreted_kernels_with_a_per_row_offset_match_reference():
 @pytest.mark.skipif(not INTERPRETER, reason="no Mosaic GPU interpreter of jax >= 0.12 here")
 def test_interpreted_kernels_with_a_segment_pair_match_reference():
     """(q_segment_ids, kv_segment_ids) with T != S, as a ring step over another device's key chunk sees them."""
-    seed = random_seed()
-    q, k, v, do, dlse, _ = inputs(seed, 1, 128, 192, 2, 1, 64, jnp.bfloat16, False)
-    ks = jax.random.split(jax.random.PRNGKey(seed + 1))
-    segs = (jnp.sort(jax.random.randint(ks[0], (1, 128), 0, 3)), jnp.sort(jax.random.randint(ks[1], (1, 192), 0, 3)))
-    kw = dict(causal=False, segment_ids=segs, return_lse=True)
-
-    @jax.jit
-    def both(q, k, v, do, dlse):
-        (o, lse), f_vjp = jax.vjp(lambda *a: flash_attention(*a, block_sizes=B64, kernel="mosaic", **kw), q, k, v)
-        (ro, rlse), r_vjp = jax.vjp(lambda *a: reference_attention(*a, **kw), q, k, v)
-        return (lse, rlse), (o, *f_vjp((do, dlse))), (ro, *r_vjp((do, dlse)))
-
-    (lse, rlse), got, want = both(q, k, v, do, dlse)
-    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse), err_msg=f"seed={seed}")
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert rel(a, b) < TOL[jnp.bfloat16], f"{name}: relative error {rel(a, b):.2e}, seed={seed}"
+    check(random_seed(), 1, 128, 192, 2, 1, 64, jnp.bfloat16, causal=False, window=None, segments="pair",
+          blocks=B64, kernel="mosaic")
 
 
 @pytest.mark.skipif(INTERPRETER, reason="only where the interpreter is missing or jax < 0.12")
