@@ -395,7 +395,8 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
 def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
               num_sms, order, interpret=None):
     """dq [B,T,N,H] (T a multiple of 2 * block_q, S of block_kv); ranges over key blocks per query tile; num_sms
-    programs deal the items in `order` (persistent.py)."""
+    programs deal the items in `order` (persistent.py); interpret: the Mosaic GPU interpreter's parameters, or
+    None on a GPU."""
     return _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
                block_kv=block_kv, stages=stages, num_sms=num_sms, order=order, interpret=interpret)
 
@@ -405,6 +406,6 @@ def mosaic_dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, 
 def mosaic_dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask, scale, block_q, block_kv, stages,
                parts=("dk", "dv"), num_sms, order, interpret=None):
     """[dk, dv] (those `parts` names) [B,S,K,H] (S a multiple of 2 * block_kv, T of block_q); ranges over query
-    blocks per key tile; num_sms programs deal the items in `order` (persistent.py)."""
+    blocks per key tile; num_sms programs deal the items in `order` (persistent.py); interpret: as mosaic_dq's."""
     return _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, mask=mask, scale=scale, block_q=block_q,
                 block_kv=block_kv, stages=stages, parts=parts, num_sms=num_sms, order=order, interpret=interpret)
