@@ -34,8 +34,8 @@ def inputs(seed, b, t, s, n, kh, h, dtype, segments):
     dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32)
     seg = None
     if segments == "pair":
-        seg = tuple(jnp.sort(jax.random.randint(key, (b, length), 0, 3), axis=1) for key, length in ((ks[5], t),
-                                                                                                 (ks[6], s)))
+        seg = (jnp.sort(jax.random.randint(ks[5], (b, t), 0, 3), axis=1),
+               jnp.sort(jax.random.randint(ks[6], (b, s), 0, 3), axis=1))
     elif segments:  # sorted ids = packed documents of random lengths
         seg = jnp.sort(jax.random.randint(ks[5], (b, t), 0, 4), axis=1)
     return q, k, v, do, dlse, seg

@@ -58,7 +58,8 @@ def test_interpreted_kernels_match_reference(b, t, s, n, kh, h, dtype, causal, w
 @pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETER, reason="no Mosaic GPU interpreter of jax >= 0.12 here")
 def test_interpreted_kernels_with_a_per_row_offset_match_reference():
-    """Context parallelism's blocks: a traced [B] offset, one row's first queries seeing no key at all."""
+    """Context parallelism's blocks: a [B] offset array (the kernels' per-row operand), one row's first queries
+    seeing no key at all."""
     check(random_seed(), 2, 128, 256, 4, 2, 64, jnp.bfloat16, causal=True, window=None, segments=False, blocks=B64,
           kernel="mosaic", offset=jnp.array([100, -30], jnp.int32))
 
