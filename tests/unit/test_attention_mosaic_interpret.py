@@ -16,14 +16,10 @@ import pytest
 from mjax.kernels.attention import AttentionUnsupported
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.mosaic import MosaicBlocks, default_mosaic_blocks
+from mjax.kernels.device import mosaic_interpreter_problem
 from tests.helpers.flash_oracle import check, random_seed
 
-try:  # a private module: where jax has none (or 0.11's, which cannot lower these kernels), the call says so
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-
-    INTERPRETER = jax.__version_info__ >= (0, 12)
-except ImportError:
-    INTERPRETER = False
+INTERPRETER = mosaic_interpreter_problem() is None
 
 B64 = MosaicBlocks(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64)
 OTHER = MosaicBlocks(block_q=128, block_kv=64, block_q_dq=128, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=64)
@@ -75,5 +71,5 @@ def test_interpreted_kernels_with_a_segment_pair_match_reference():
 @pytest.mark.skipif(INTERPRETER, reason="only where the interpreter is missing or jax < 0.12")
 def test_without_the_interpreter_the_call_says_so():
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    with pytest.raises(AttentionUnsupported, match="jax >= 0.12|no Mosaic GPU interpreter"):
+    with pytest.raises(AttentionUnsupported, match="run off the GPU only interpreted"):
         flash_attention(q, q, q, kernel="mosaic", interpret=True, block_sizes=B64)

@@ -13,19 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mjax.kernels.device import mosaic_interpreter, mosaic_interpreter_problem
 from mjax.kernels.grouped_matmul import KernelTile, Tiling
 from mjax.kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
 from mjax.kernels.grouped_matmul.mosaic_parts import TMA_ROWS
 from tests.helpers.grouped_oracle import assert_per_group
 
-# A private module. jax 0.11.2 has one too, but it rejects the chained row kernels: their memory warpgroup never
-# waits out the last consumed phases of its barriers (harmless on the GPU, every load issued being consumed).
-if jax.__version_info__ < (0, 12):
-    pytest.skip("the Mosaic GPU interpreter these kernels run under is jax >= 0.12's", allow_module_level=True)
-try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-except ImportError as e:
-    pytest.skip(f"no Mosaic GPU interpreter in this jax: {e}", allow_module_level=True)
+# jax 0.11.2's interpreter rejects the chained row kernels: their memory warpgroup never waits out the last
+# consumed phases of its barriers (harmless on the GPU, every load issued being consumed).
+if (problem := mosaic_interpreter_problem()) is not None:
+    pytest.skip(problem, allow_module_level=True)
 
 TILINGS = {  # (tiling, K, N, race detection with padding rows)
     "one warpgroup": (Tiling(KernelTile(128, 128, 64, 4, 2, 4), KernelTile(128, 128, 64, 4, 2, 4),
@@ -75,7 +72,7 @@ def test_interpreted_kernels_equal_per_group_products(case, tiling, num_sms):
     w = (jax.random.normal(keys[1], (len(sizes), k, n)) * k**-0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16).at[total:].set(jnp.nan)
     no_padding = total == m and m % TMA_ROWS == 0  # grouped_matmul_mosaic pads M to whole TMA row tiles
-    interpret = InterpretGPUParams(detect_races=races or no_padding, uninitialized_memory="nan")
+    interpret = mosaic_interpreter(detect_races=races or no_padding)
     gs = jnp.asarray(sizes, jnp.int32)
     y, vjp = jax.vjp(lambda x, w: grouped_matmul_mosaic(x, w, gs, tiles, num_sms, interpret), x, w)
     assert_per_group(sizes, x, w, dy, y, *vjp(dy))

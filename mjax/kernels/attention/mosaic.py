@@ -19,7 +19,7 @@ from mjax.kernels.attention.mosaic_backward import mosaic_dkv, mosaic_dq
 from mjax.kernels.attention.mosaic_common import MosaicMask
 from mjax.kernels.attention.mosaic_forward import mosaic_forward
 from mjax.kernels.attention.persistent import deal_order
-from mjax.kernels.device import sm_count
+from mjax.kernels.device import mosaic_interpreter, mosaic_interpreter_problem, sm_count
 
 HEAD_DIMS = (64, 128, 256)  # wgmma tiles of 64 columns; other head dims are zero-padded up to the next of these
 INTERPRET_PROGRAMS = 3  # interpreted, a few programs, so that a program deals itself several items
@@ -156,19 +156,13 @@ def _deal(x, tile_rows: int, causal: bool, interpret: bool):
 
 
 def _interpreter(interpret: bool):
-    """The Mosaic GPU interpreter's parameters where `interpret` asks for it (off the GPU, jax >= 0.12: warpgroups,
-    barriers and TMA copies simulated, races detected, shared memory NaN until written), else None."""
+    """The Mosaic GPU interpreter's parameters where `interpret` asks for it (off the GPU, races detected), else
+    None."""
     if not interpret:
         return None
-    if jax.__version_info__ < (0, 12):  # 0.11's interpreter cannot lower these kernels' effects
-        raise AttentionUnsupported(f"the mosaic attention kernels run off the GPU only under the Mosaic GPU "
-                                   f"interpreter of jax >= 0.12 (this is jax {jax.__version__})")
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415 (private)
-    except ImportError as e:
-        raise AttentionUnsupported(f"no Mosaic GPU interpreter in jax {jax.__version__} ({e}): the mosaic attention "
-                                   "kernels run only on a Hopper GPU here") from None
-    return InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+    if (problem := mosaic_interpreter_problem()) is not None:
+        raise AttentionUnsupported(f"the mosaic attention kernels run off the GPU only interpreted: {problem}")
+    return mosaic_interpreter()
 
 
 def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, blocks: MosaicBlocks, scale: float,
