@@ -17,6 +17,8 @@ import pytest
 from mjax.kernels.attention import flash, mosaic
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.mosaic import MosaicBlocks, default_mosaic_blocks
+from mjax.kernels.attention.mosaic_common import union_range
+from mjax.kernels.attention.persistent import item_works
 from mjax.kernels.options import ATTN_CORE
 
 DEFAULT = default_mosaic_blocks(128)
@@ -148,6 +150,10 @@ def test_block_runs_match_the_mask(b, t, s, offset, causal, window, segments, bl
         loose_any = None if by_query or window is None else _per_tile(loose, bq, bk, by_query)[0]
         _check_runs(np.asarray(runs), _per_tile(vis, bq, bk, by_query), loose_any,
                     tight=segments in ("none", "packed"), case=f"seed={seed} {name} bq={bq} bk={bk}")
+        # the work the deal sorts items by: the blocks the kernels stream for each item (two tiles)
+        streamed = [[int(np.subtract(*union_range(runs, r, 2 * i)[::-1])) for i in range(runs.shape[1] // 2)]
+                    for r in range(b)]
+        np.testing.assert_array_equal(np.asarray(item_works(runs)), streamed)
 
 
 def _lower(b, t, s, n, kh, h, dtype, *, segments=False, traced_offset=False, **kw):
@@ -205,21 +211,24 @@ def test_gradient_under_remat_lowers_for_cuda():
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
 
 
-def _deal(num_sms, heads, tiles, batch, order):
-    """{item: its place in the order} over every program's items, through the kernels' persistent_work (vectorised
-    over programs and their items), and each program's causal work (t + 1 blocks)."""
-    from mjax.kernels.attention.persistent import persistent_work, persistent_works  # noqa: PLC0415
+def _deal(num_sms, heads, tiles, batch, order, work=None):
+    """{item: its place in the order} over every program's items, through the kernels' deal_pairs and
+    persistent_work (vectorised over programs and their items), and each program's work: `work` [batch, tiles]
+    blocks per tile (default causal: t + 1)."""
+    from mjax.kernels.attention.persistent import deal_pairs, persistent_work, persistent_works  # noqa: PLC0415
 
+    work = np.broadcast_to(np.arange(1, tiles + 1), (batch, tiles)) if work is None else work
+    deal = deal_pairs(jnp.asarray(work), order)
     counts = [int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms)) for sm in range(num_sms)]
     sm = np.repeat(np.arange(num_sms), counts)
     i = np.concatenate([np.arange(c) for c in counts])
     tile, head, row = (np.asarray(x) for x in persistent_work(jnp.asarray(sm), jnp.asarray(i), num_sms, heads, tiles,
-                                                              batch, order))
+                                                              deal))
     places = dict(zip(zip(tile.tolist(), head.tolist(), row.tolist()),
                       (i * num_sms + np.where(i % 2 == 0, sm, num_sms - 1 - sm)).tolist()))
     assert len(i) == len(places) == heads * tiles * batch  # no item twice
     assert sorted(places) == [(t, h, r) for t in range(tiles) for h in range(heads) for r in range(batch)]
-    return places, np.bincount(sm, weights=tile + 1, minlength=num_sms)
+    return places, np.bincount(sm, weights=work[row, tile], minlength=num_sms)
 
 
 @pytest.mark.parametrize("order", ["row", "tile"])
@@ -236,7 +245,7 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     after another, the last row's tiles heaviest (causal) first; the tile order takes tiles heaviest first and
     keeps the busiest program's causal work within one heaviest item of the mean. program_loads, which picks the
     order, counts the same work as the deal."""
-    from mjax.kernels.attention.persistent import program_loads  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import causal_work, program_loads  # noqa: PLC0415
 
     places, work = _deal(num_sms, heads, tiles, batch, order)
     ordered = sorted(places, key=places.get)
@@ -248,7 +257,7 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     else:
         assert [t for t, _, _ in ordered] == sorted((t for t, _, _ in ordered), reverse=True)
         assert work.max() <= work.mean() + tiles, (work.max(), work.mean())
-    np.testing.assert_array_equal(program_loads(num_sms, heads, tiles, batch, order, causal=True), work)
+    np.testing.assert_array_equal(program_loads(causal_work(tiles, batch, True), heads, num_sms, order), work)
 
 
 @pytest.mark.parametrize("num_sms,heads,tiles,batch,order", [
@@ -256,9 +265,37 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     (132, 4, 32, 8, "tile"), (114, 1, 16, 16, "tile"),  # where the row order's deal is uneven
 ])
 def test_the_row_order_is_taken_only_where_its_deal_is_even(num_sms, heads, tiles, batch, order):
-    from mjax.kernels.attention.persistent import deal_order, program_loads  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import causal_work, deal_order, program_loads  # noqa: PLC0415
 
     assert deal_order(num_sms, heads, tiles, batch, causal=True) == order
-    row, tile = (program_loads(num_sms, heads, tiles, batch, o, causal=True) for o in ("row", "tile"))
+    row, tile = (program_loads(causal_work(tiles, batch, True), heads, num_sms, o) for o in ("row", "tile"))
     assert row.max() <= 1.02 * row.mean() if order == "row" else row.max() > 1.2 * tile.max()
     assert deal_order(num_sms, heads, tiles, batch, causal=False) == "row"  # equal items: both deals are alike
+
+
+def test_the_deal_follows_the_documents_of_packed_rows():
+    """With segment ids a tile's work follows its document (a sawtooth along each row, not one slope): the deal
+    sorts the items by it, and the order is picked at run time on it by the rule the static model applies to causal
+    work. The dk/dv kernel's shape at T=8192, B=4, 8 KV heads, 4 documents a row: the row order would leave one
+    program over 1.1x the mean, so the tile order is picked, its busiest program within one heaviest item of the
+    mean. With the forward's 32 heads the row order stays within ROW_ORDER_SLACK of it and is kept."""
+    from mjax.kernels.attention.persistent import ROW_ORDER_SLACK, deal, deal_order, deal_pairs, program_loads  # noqa: PLC0415
+
+    num_sms, tiles, batch = 132, 64, 4
+    rng = np.random.default_rng(0)
+    work = np.stack([np.concatenate([np.arange(n, 0, -1) for n in np.diff(np.r_[0, cuts, tiles])])
+                     for cuts in np.sort([rng.choice(np.arange(1, tiles), 3, replace=False) for _ in range(batch)])])
+    runs = jnp.asarray(np.stack([np.zeros_like(work), np.zeros_like(work), work, work], -1).repeat(2, axis=1))
+    assert deal_order(num_sms, 8, tiles, batch, causal=True, segments=True) == "work"
+    for heads, order in ((8, "tile"), (32, "row")):
+        np.testing.assert_array_equal(deal(runs, heads, num_sms, "work"), deal_pairs(jnp.asarray(work), order))
+        loads = {o: program_loads(work, heads, num_sms, o) for o in ("row", "tile")}
+        if order == "tile":
+            assert loads["row"].max() > 1.1 * loads["row"].mean()
+        else:
+            assert loads["row"].max() <= ROW_ORDER_SLACK * loads["tile"].max()
+    places, loads = _deal(num_sms, 8, tiles, batch, "tile", work)
+    ordered = sorted(places, key=places.get)
+    assert [work[r, t] for t, _, r in ordered] == sorted(work.reshape(-1).repeat(8), reverse=True)
+    assert loads.max() <= loads.mean() + work.max(), (loads.max(), loads.mean())
+    np.testing.assert_array_equal(loads, program_loads(work, 8, num_sms, "tile"))

@@ -148,11 +148,11 @@ def block_runs(spec: MaskSpec, offsets, q_seg, kv_seg, *, block_q: int, block_kv
     return runs.astype(jnp.int32)
 
 
-def _deal(x, tile_rows: int, causal: bool, interpret: bool):
+def _deal(x, tile_rows: int, spec: MaskSpec, interpret: bool):
     """(programs, deal order) of a persistent kernel over the (tile of tile_rows rows, head, batch row) items of
     x [B, L, heads, H]: one program per SM (INTERPRET_PROGRAMS interpreted)."""
     (b, length, heads, _), num_sms = x.shape, INTERPRET_PROGRAMS if interpret else sm_count()
-    return num_sms, deal_order(num_sms, heads, length // tile_rows, b, causal)
+    return num_sms, deal_order(num_sms, heads, length // tile_rows, b, spec.causal, spec.segments)
 
 
 def _interpreter(interpret: bool):
@@ -171,7 +171,7 @@ def mosaic_forward_op(q, k, v, q_seg, kv_seg, offset=None, *, spec: MaskSpec, bl
     under the Mosaic GPU interpreter (off the GPU)."""
     offsets = _offsets(spec, offset, q.shape[0])
     runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q, block_kv=blocks.block_kv, by_query=True)
-    num_sms, order = _deal(q, 2 * blocks.block_q, spec.causal, interpret)
+    num_sms, order = _deal(q, 2 * blocks.block_q, spec, interpret)
     return mosaic_forward(runs, offsets, q_seg, kv_seg, q, k, v, mask=_mask(spec), scale=scale,
                           block_q=blocks.block_q, block_kv=blocks.block_kv, stages=blocks.stages, num_sms=num_sms,
                           order=order, interpret=_interpreter(interpret))
@@ -192,7 +192,7 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq,
                           by_query=True)
-        num_sms, order = _deal(q, 2 * blocks.block_q_dq, spec.causal, interpret)
+        num_sms, order = _deal(q, 2 * blocks.block_q_dq, spec, interpret)
         return mosaic_dq(runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask, scale=scale,
                          block_q=blocks.block_q_dq, block_kv=blocks.block_kv_dq, stages=blocks.stages_dq,
                          num_sms=num_sms, order=order, interpret=_interpreter(interpret))
@@ -201,7 +201,7 @@ def mosaic_backward_parts(q, k, v, q_seg, kv_seg, out, lse, do, dlse, offset=Non
         lse2, dlt = delta() if lse2 is None else (lse2, dlt)
         runs = block_runs(spec, offsets, q_seg, kv_seg, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                           by_query=False)
-        num_sms, order = _deal(k, 2 * blocks.block_kv_dkv, spec.causal, interpret)
+        num_sms, order = _deal(k, 2 * blocks.block_kv_dkv, spec, interpret)
         call = functools.partial(mosaic_dkv, runs, offsets, q_seg, kv_seg, q, k, v, do, lse2, dlt, mask=mask,
                                  scale=scale, block_q=blocks.block_q_dkv, block_kv=blocks.block_kv_dkv,
                                  stages=blocks.stages_dkv, num_sms=num_sms, order=order,

@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mjax.kernels.attention.mosaic_common import (LOG2E, MosaicMask, compute_items, item_buffers, own_runs,
                                                   position_mask, stream_kv, tile_transforms, union_range,
                                                   walk_union)
-from mjax.kernels.attention.persistent import persistent_work, persistent_works
+from mjax.kernels.attention.persistent import deal, persistent_work, persistent_works
 
 WGMMA = plgpu.Layout.WGMMA
 ROWS, COLS = WGMMA.reduce(1), WGMMA.reduce(0)  # a vector along an accumulator's rows / columns
@@ -51,12 +51,12 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
     buffers = item_buffers(ring_bytes, item_bytes)
 
     def kernel(*refs):
-        n_in = 10 if segments else 8
+        n_in = 11 if segments else 9
         ins, (dq_ref,), scratch = refs[:n_in], refs[n_in:n_in + 1], refs[n_in + 1:]
         if segments:
-            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+            ranges_ref, deal_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         else:
-            ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+            ranges_ref, deal_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         q_smem4, do_smem4, lse_smem4, delta_smem4, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free = scratch
         sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
@@ -64,11 +64,11 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
 
         def work(i):
             """(tile, q head, batch row, key blocks [lo_all, hi_all)) of this program's i-th item."""
-            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, deal_ref)
             return tile, q_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
         def copy_item(i, buffer):
-            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, deal_ref)
             rows = pl.ds(tile * (2 * block_q) + wg * block_q, block_q)
             bar = q_bar.at[2 * buffer + wg]
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_smem4.at[buffer, wg], bar)
@@ -172,13 +172,13 @@ def _dq(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosaic
         kernel, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
         grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(ranges, offset, *segs, q, k, v, do, lse2, delta)
+    )(ranges, deal(ranges, n, num_sms, order), offset, *segs, q, k, v, do, lse2, delta)
 
 
 def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: MosaicMask, scale: float, block_q: int,
          block_kv: int, stages: int, parts: tuple, num_sms: int, order: str, interpret):
-    """Persistent over (key tile, KV head, batch row) items like the dq kernel; the deal's tile order runs the
-    other way (a causal key tile t sees the queries from t on: the first tiles are the heaviest)."""
+    """Persistent over (key tile, KV head, batch row) items like the dq kernel (a causal key tile t sees the
+    queries from t on: the deal's sort puts the first tiles first)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     groups = n // kh
@@ -192,13 +192,13 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
     buffers = item_buffers(ring_bytes, item_bytes)
 
     def kernel(*refs):
-        n_in = 10 if segments else 8
+        n_in = 11 if segments else 9
         n_out = len(parts)
         ins, outs, scratch = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
         if segments:
-            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+            ranges_ref, deal_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         else:
-            ranges_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+            ranges_ref, deal_ref, offset_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         out_refs = dict(zip(parts, outs))
         (k_smem4, v_smem4, q_smem, do_smem, lse_smem, delta_smem,
          kv_bar, q_bar, do_bar, q_free, do_free) = scratch
@@ -208,8 +208,7 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
 
         def item(i):
             """(key tile, KV head, batch row) of this program's i-th item."""
-            heavy_first, kv_head, batch = persistent_work(sm, i, num_sms, kh, n_tiles, b, order)
-            return n_tiles - 1 - heavy_first, kv_head, batch
+            return persistent_work(sm, i, num_sms, kh, n_tiles, deal_ref)
 
         def work(i):
             """item(i) and the query blocks [lo_all, hi_all) its two key tiles visit."""
@@ -386,7 +385,7 @@ def _dkv(ranges, offset, q_seg, kv_seg, q, k, v, do, lse2, delta, *, mask: Mosai
         kernel, out_type=out_type, scratch_types=scratch,
         grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg", interpret=interpret,
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(ranges, offset, *segs, q, k, v, do, lse2, delta)
+    )(ranges, deal(ranges, kh, num_sms, order), offset, *segs, q, k, v, do, lse2, delta)
 
 
 @functools.partial(jax.jit,

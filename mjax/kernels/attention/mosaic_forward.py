@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mjax.kernels.attention.mosaic_common import (LN2, LOG2E, MosaicMask, compute_items, item_buffers, own_runs,
                                                   position_mask, stream_kv, tile_transforms, union_range,
                                                   walk_union)
-from mjax.kernels.attention.persistent import persistent_work, persistent_works
+from mjax.kernels.attention.persistent import deal, persistent_work, persistent_works
 
 
 def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale: float, block_q: int,
@@ -47,12 +47,12 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
     def kernel(*refs):
         if segments:
-            ranges_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:9]
-            scratch = refs[9:]
+            ranges_ref, deal_ref, offset_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:10]
+            scratch = refs[10:]
         else:
-            ranges_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:7]
+            ranges_ref, deal_ref, offset_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs[:8]
             qseg_ref = kseg_ref = None
-            scratch = refs[7:]
+            scratch = refs[8:]
         qo_smem4, k_smem, v_smem, lse_smem2, k_bar, v_bar, q_bar, k_free, v_free, sched = scratch
         sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
@@ -60,7 +60,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
 
         def work(i):
             """(tile, q head, batch row, key blocks [lo_all, hi_all)) of this program's i-th item."""
-            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, deal_ref)
             return tile, q_head, batch, *union_range(ranges_ref, batch, 2 * tile)
 
         def schedule_barrier():
@@ -68,7 +68,7 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
             plgpu.barrier_wait(sched)
 
         def copy_q(i, buffer):
-            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, b, order)
+            tile, q_head, batch = persistent_work(sm, i, num_sms, n, n_tiles, deal_ref)
             row0 = tile * (2 * block_q) + wg * block_q
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row0, block_q), q_head], qo_smem4.at[buffer, wg],
                                     q_bar.at[2 * buffer + wg])
@@ -204,7 +204,8 @@ def _forward(ranges, offset, q_seg, kv_seg, q, k, v, *, mask: MosaicMask, scale:
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
     ]
-    operands = (ranges, offset, q_seg, kv_seg, q, k, v) if segments else (ranges, offset, q, k, v)
+    dealt = deal(ranges, n, num_sms, order)  # [B * n_tiles]
+    operands = (ranges, dealt, offset, q_seg, kv_seg, q, k, v) if segments else (ranges, dealt, offset, q, k, v)
     return plgpu.kernel(
         kernel,
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
