@@ -1,7 +1,7 @@
 """A/B of the attention kernels' deal (PYTHONPATH picks the tree): ms of forward, backward, dq and the dk/dv stage
 (each with XLA's delta and block runs) at causal T=4096 (B=8), 8192 (B=4) and packed 8192 (4 documents a row),
-and a hash of the outputs. `python deal_ab.py TAG [row]`: row forces the row order with segment ids (a tree whose
-deal_order takes `segments`)."""
+and a hash of the outputs. `python deal_ab.py TAG [row]`: row drops `segments` from deal_order's arguments, so the
+causal model picks the order ("row" for all three kernels at these shapes)."""
 import hashlib, sys
 from mjax.xla_flags import apply_defaults
 apply_defaults()

@@ -164,12 +164,12 @@ def test_mosaic_kernels_match_the_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", ["row", "tile"])
+@pytest.mark.parametrize("order", ["row", "tile", "work"])
 @pytest.mark.parametrize("case", MOSAIC_CASES)
 def test_mosaic_persistent_kernels_on_three_programs_match_the_reference(case, order, monkeypatch):
     """The persistent kernels (forward, dq, dk/dv) on 3 programs, so that every program runs many items one after
-    another (the streamed ring and the per-item buffers carried from item to item), in each deal order; with one
-    program per SM most cases here give a program one item."""
+    another (the streamed ring and the per-item buffers carried from item to item), in each deal order ("work":
+    picked on the block runs at run time); with one program per SM most cases here give a program one item."""
     if not _hopper():
         pytest.skip("the Mosaic GPU attention kernels need a Hopper GPU (compute capability 9.0)")
     from mjax.kernels.attention import mosaic  # noqa: PLC0415

@@ -215,9 +215,10 @@ def _deal(num_sms, heads, tiles, batch, order, work=None):
     """{item: its place in the order} over every program's items, through the kernels' deal_pairs and
     persistent_work (vectorised over programs and their items), and each program's work: `work` [batch, tiles]
     blocks per tile (default causal: t + 1)."""
-    from mjax.kernels.attention.persistent import deal_pairs, persistent_work, persistent_works  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import (deal_pairs, modelled_work, persistent_work,  # noqa: PLC0415
+                                                   persistent_works)
 
-    work = np.broadcast_to(np.arange(1, tiles + 1), (batch, tiles)) if work is None else work
+    work = modelled_work(tiles, batch, causal=True) if work is None else work
     deal = deal_pairs(jnp.asarray(work), order)
     counts = [int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms)) for sm in range(num_sms)]
     sm = np.repeat(np.arange(num_sms), counts)
@@ -242,22 +243,24 @@ def _deal(num_sms, heads, tiles, batch, order, work=None):
 ])
 def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, order):
     """Each (tile, head, batch row) is dealt to exactly one program, heads fastest; the row order takes one row
-    after another, the last row's tiles heaviest (causal) first; the tile order takes tiles heaviest first and
+    after another, the last row's tiles heaviest (causal) first and the rows before it alternating (so that no
+    program takes every row's heaviest tile); the tile order takes tiles heaviest first and
     keeps the busiest program's causal work within one heaviest item of the mean. program_loads, which picks the
     order, counts the same work as the deal."""
-    from mjax.kernels.attention.persistent import causal_work, program_loads  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import modelled_work, program_loads  # noqa: PLC0415
 
     places, work = _deal(num_sms, heads, tiles, batch, order)
     ordered = sorted(places, key=places.get)
     assert [h for _, h, _ in ordered] == [w % heads for w in range(len(ordered))]
     if order == "row":
         assert [r for _, _, r in ordered] == sorted(r for _, _, r in ordered)
-        last_row = [t for t, _, r in ordered if r == batch - 1]
-        assert last_row == sorted(last_row, reverse=True)
+        for r in range(batch):
+            tiles_of_r = [t for t, h, rr in ordered if rr == r and h == 0]
+            assert tiles_of_r == sorted(tiles_of_r, reverse=(batch - 1 - r) % 2 == 0), r
     else:
         assert [t for t, _, _ in ordered] == sorted((t for t, _, _ in ordered), reverse=True)
         assert work.max() <= work.mean() + tiles, (work.max(), work.mean())
-    np.testing.assert_array_equal(program_loads(causal_work(tiles, batch, True), heads, num_sms, order), work)
+    np.testing.assert_array_equal(program_loads(modelled_work(tiles, batch, True), heads, num_sms, order), work)
 
 
 @pytest.mark.parametrize("num_sms,heads,tiles,batch,order", [
@@ -265,10 +268,10 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     (132, 4, 32, 8, "tile"), (114, 1, 16, 16, "tile"),  # where the row order's deal is uneven
 ])
 def test_the_row_order_is_taken_only_where_its_deal_is_even(num_sms, heads, tiles, batch, order):
-    from mjax.kernels.attention.persistent import causal_work, deal_order, program_loads  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import modelled_work, deal_order, program_loads  # noqa: PLC0415
 
     assert deal_order(num_sms, heads, tiles, batch, causal=True) == order
-    row, tile = (program_loads(causal_work(tiles, batch, True), heads, num_sms, o) for o in ("row", "tile"))
+    row, tile = (program_loads(modelled_work(tiles, batch, True), heads, num_sms, o) for o in ("row", "tile"))
     assert row.max() <= 1.02 * row.mean() if order == "row" else row.max() > 1.2 * tile.max()
     assert deal_order(num_sms, heads, tiles, batch, causal=False) == "row"  # equal items: both deals are alike
 
@@ -299,3 +302,25 @@ def test_the_deal_follows_the_documents_of_packed_rows():
     assert [work[r, t] for t, _, r in ordered] == sorted(work.reshape(-1).repeat(8), reverse=True)
     assert loads.max() <= loads.mean() + work.max(), (loads.max(), loads.mean())
     np.testing.assert_array_equal(loads, program_loads(work, 8, num_sms, "tile"))
+
+
+def test_equal_work_deals_the_later_pair_first():
+    """Ties (equal work: no causal mask, or a window's full tiles) go to the later (row, tile) pair first, in both
+    orders, so a causal row-order deal is the one a tile-index formula gave."""
+    from mjax.kernels.attention.persistent import deal_pairs, modelled_work  # noqa: PLC0415
+
+    tiles, batch = 5, 3
+    flat = jnp.asarray(modelled_work(tiles, batch, causal=False))
+    np.testing.assert_array_equal(deal_pairs(flat, "tile"), np.arange(batch * tiles)[::-1])
+    rows = np.asarray(deal_pairs(flat, "row")).reshape(batch, tiles)
+    np.testing.assert_array_equal(rows[-1], np.arange(tiles)[::-1] + (batch - 1) * tiles)  # the last row: later first
+    np.testing.assert_array_equal(rows[-2], np.arange(tiles) + (batch - 2) * tiles)  # the rows before: alternating
+
+
+def test_segment_ids_defer_the_order_to_the_runs():
+    """The kernels' wrapper asks for the run-time pick exactly when segment ids make the work unknown statically."""
+    q = jnp.zeros((4, 1024, 32, 128), jnp.bfloat16)
+    for segments, order in ((False, "row"), (True, "work")):
+        spec = flash.MaskSpec(causal=True, window=None, offset=0, kv_len=1024, kv_len_padded=1024,
+                              q_len_padded=1024, segments=segments)
+        assert mosaic._deal(q, 128, spec, interpret=True) == (mosaic.INTERPRET_PROGRAMS, order)

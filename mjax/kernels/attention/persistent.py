@@ -2,7 +2,7 @@
 program sm takes the items at places sm, 2S - 1 - sm, 2S + sm, ... of an order (a snake over rounds of S), so in a
 run of items that get lighter each round's heaviest item goes to a different program.
 
-The order is computed at run time from the block runs (`deal_pairs`): the (batch row, tile) pairs sorted by the
+The order is computed at run time from the block runs (`deal`): the (batch row, tile) pairs sorted by the
 blocks their items visit, heaviest first, each pair's items heads fastest (GQA siblings share K/V in L2). Causal
 tiles without segment ids get heavier one way (the last query tile, the first key tile), so that is their order;
 with segment ids (packed documents) the sort follows the documents. Two groupings:
@@ -74,12 +74,12 @@ def program_loads(work, n_heads: int, num_sms: int, order: str, xp=np):
     return jnp.zeros(num_sms, work.dtype).at[program].add(item_work)
 
 
-def causal_work(n_tiles: int, n_rows: int, causal: bool) -> np.ndarray:
+def modelled_work(n_tiles: int, n_rows: int, causal: bool) -> np.ndarray:
     """[n_rows, n_tiles] the static model's work: query tile t visits t + 1 blocks (causal), or all alike."""
     return np.broadcast_to(np.arange(1, n_tiles + 1) if causal else np.ones(n_tiles, int), (n_rows, n_tiles))
 
 
-def _row_or_tile(loads_row, loads_tile):
+def _row_order_is_even(loads_row, loads_tile):
     return loads_row.max() <= ROW_ORDER_SLACK * loads_tile.max()
 
 
@@ -88,8 +88,8 @@ def deal_order(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, causal: bo
     (modelled) causal work; "work" with segment ids: the same choice at run time, on the block runs."""
     if segments:
         return "work"
-    work = causal_work(n_tiles, n_rows, causal)
-    return "row" if _row_or_tile(*(program_loads(work, n_heads, num_sms, o) for o in ORDERS)) else "tile"
+    work = modelled_work(n_tiles, n_rows, causal)
+    return "row" if _row_order_is_even(*(program_loads(work, n_heads, num_sms, o) for o in ORDERS)) else "tile"
 
 
 def deal(runs, n_heads: int, num_sms: int, order: str):
@@ -98,5 +98,5 @@ def deal(runs, n_heads: int, num_sms: int, order: str):
     work = item_works(runs)
     if order != "work":
         return deal_pairs(work, order)
-    pick_row = _row_or_tile(*(program_loads(work, n_heads, num_sms, o, jnp) for o in ORDERS))
+    pick_row = _row_order_is_even(*(program_loads(work, n_heads, num_sms, o, jnp) for o in ORDERS))
     return jnp.where(pick_row, deal_pairs(work, "row"), deal_pairs(work, "tile"))
