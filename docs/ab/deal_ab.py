@@ -1,6 +1,6 @@
 """A/B of the attention kernels' deal (PYTHONPATH picks the tree): ms of forward, backward, dq and the dk/dv stage
 (each with XLA's delta and block runs) at causal T=4096 (B=8), 8192 (B=4) and packed 8192 (4 documents a row),
-and a hash of the outputs. `python deal_ab.py TAG [row]`: row drops `segments` from deal_order's arguments, so the
+and a hash of the outputs. `python deal_ab.py TAG [row]`: row passes segments=False to deal_order, so the
 causal model picks the order ("row" for all three kernels at these shapes)."""
 import hashlib, sys
 from mjax.xla_flags import apply_defaults
@@ -15,7 +15,7 @@ from mjax.kernels.attention.flash_common import MaskSpec
 tag, heads = sys.argv[1], (32, 8, 128)
 if sys.argv[2:] == ["row"]:
     order = mosaic.deal_order
-    mosaic.deal_order = lambda *a: order(*a[:5])  # segments dropped: the causal model's choice
+    mosaic.deal_order = lambda *a: order(*a[:5], False)  # segments dropped: the causal model's choice
 for t, b, packed in ((4096, 8, False), (8192, 4, False), (8192, 4, True)):
     q, k, v, do = inputs(t, b, heads)
     seg = packed_segments(b, t) if packed else None

@@ -54,14 +54,18 @@ def position_mask(mask: MosaicMask, q_pos, k_pos):
     return keep
 
 
-def union_range(ranges_ref, batch, first_tile):
-    """[L, H) of the blocks tiles first_tile and first_tile + 1 visit (an empty run adds nothing)."""
-    lo0, hi0 = ranges_ref[batch, first_tile, 0], ranges_ref[batch, first_tile, 3]
-    lo1, hi1 = ranges_ref[batch, first_tile + 1, 0], ranges_ref[batch, first_tile + 1, 3]
+def union_of_runs(lo0, hi0, lo1, hi1):
+    """[L, H) of two runs [lo0, hi0) and [lo1, hi1) (an empty run adds nothing); scalars or arrays."""
     e0, e1 = lo0 >= hi0, lo1 >= hi1
     lo = jnp.where(e0, lo1, jnp.where(e1, lo0, jnp.minimum(lo0, lo1)))
     hi = jnp.where(e0, hi1, jnp.where(e1, hi0, jnp.maximum(hi0, hi1)))
     return lo, jnp.maximum(hi, lo)
+
+
+def union_range(ranges_ref, batch, first_tile):
+    """[L, H) of the blocks tiles first_tile and first_tile + 1 visit."""
+    return union_of_runs(ranges_ref[batch, first_tile, 0], ranges_ref[batch, first_tile, 3],
+                         ranges_ref[batch, first_tile + 1, 0], ranges_ref[batch, first_tile + 1, 3])
 
 
 def own_runs(ranges_ref, batch, tile):

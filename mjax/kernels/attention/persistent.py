@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mjax.kernels.attention.mosaic_common import union_of_runs
+
 ORDERS = ("row", "tile")
 ROW_ORDER_SLACK = 1.02  # how much more work the row order's busiest program may get than the tile order's
 
@@ -32,11 +34,8 @@ def persistent_works(sm, n_works: int, num_sms: int):
 def item_works(runs):
     """[B, n] int32: the blocks each item streams, the union of its two tiles' runs (block_runs' [B, 2n, 4]; the
     kernels' union_range)."""
-    lo0, hi0, lo1, hi1 = runs[:, 0::2, 0], runs[:, 0::2, 3], runs[:, 1::2, 0], runs[:, 1::2, 3]
-    e0, e1 = lo0 >= hi0, lo1 >= hi1
-    lo = jnp.where(e0, lo1, jnp.where(e1, lo0, jnp.minimum(lo0, lo1)))
-    hi = jnp.where(e0, hi1, jnp.where(e1, hi0, jnp.maximum(hi0, hi1)))
-    return jnp.maximum(hi - lo, 0)
+    lo, hi = union_of_runs(runs[:, 0::2, 0], runs[:, 0::2, 3], runs[:, 1::2, 0], runs[:, 1::2, 3])
+    return hi - lo
 
 
 def deal_pairs(work, order: str, xp=jnp):
@@ -62,11 +61,15 @@ def persistent_work(sm, i, num_sms: int, n_heads: int, n_tiles: int, deal_ref):
 def program_loads(work, n_heads: int, num_sms: int, order: str, xp=np):
     """[num_sms] the blocks each program streams when the items of work [B, n] (per (row, tile) pair, each of its
     n_heads items alike) are dealt in `order` (xp: np for the static model, jnp at run time)."""
+    return _loads(work, deal_pairs(work, order, xp), n_heads, num_sms, xp)
+
+
+def _loads(work, pairs, n_heads: int, num_sms: int, xp):
     b, n = work.shape
     w = xp.arange(n_heads * n * b)
     rounds, pos = w // num_sms, w % num_sms
     program = xp.where(rounds % 2 == 0, pos, num_sms - 1 - pos)  # who takes place w (persistent_work's inverse)
-    item_work = work.reshape(-1)[deal_pairs(work, order, xp)][w // n_heads]
+    item_work = work.reshape(-1)[pairs][w // n_heads]
     if xp is np:
         loads = np.zeros(num_sms)
         np.add.at(loads, program, item_work)
@@ -83,7 +86,7 @@ def _row_order_is_even(loads_row, loads_tile):
     return loads_row.max() <= ROW_ORDER_SLACK * loads_tile.max()
 
 
-def deal_order(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, causal: bool, segments: bool = False) -> str:
+def deal_order(num_sms: int, n_heads: int, n_tiles: int, n_rows: int, causal: bool, segments: bool) -> str:
     """"row" unless its busiest program gets over ROW_ORDER_SLACK times the tile order's busiest program's
     (modelled) causal work; "work" with segment ids: the same choice at run time, on the block runs."""
     if segments:
@@ -98,5 +101,6 @@ def deal(runs, n_heads: int, num_sms: int, order: str):
     work = item_works(runs)
     if order != "work":
         return deal_pairs(work, order)
-    pick_row = _row_order_is_even(*(program_loads(work, n_heads, num_sms, o, jnp) for o in ORDERS))
-    return jnp.where(pick_row, deal_pairs(work, "row"), deal_pairs(work, "tile"))
+    row, tile = (deal_pairs(work, o) for o in ORDERS)
+    pick_row = _row_order_is_even(*(_loads(work, pairs, n_heads, num_sms, jnp) for pairs in (row, tile)))
+    return jnp.where(pick_row, row, tile)
