@@ -17,7 +17,6 @@ import pytest
 from mjax.kernels.attention import flash, mosaic
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.mosaic import MosaicBlocks, default_mosaic_blocks
-from mjax.kernels.attention.mosaic_common import union_range
 from mjax.kernels.attention.persistent import item_works
 from mjax.kernels.options import ATTN_CORE
 
@@ -150,10 +149,18 @@ def test_block_runs_match_the_mask(b, t, s, offset, causal, window, segments, bl
         loose_any = None if by_query or window is None else _per_tile(loose, bq, bk, by_query)[0]
         _check_runs(np.asarray(runs), _per_tile(vis, bq, bk, by_query), loose_any,
                     tight=segments in ("none", "packed"), case=f"seed={seed} {name} bq={bq} bk={bk}")
-        # the work the deal sorts items by: the blocks the kernels stream for each item (two tiles)
-        streamed = [[int(np.subtract(*union_range(runs, r, 2 * i)[::-1])) for i in range(runs.shape[1] // 2)]
-                    for r in range(b)]
+        # the work the deal sorts items by: the blocks the kernels stream for each item, from the first block either
+        # of its two tiles visits to the last (a tile with an empty run adds none)
+        r = np.asarray(runs)
+        streamed = [[_span([(r[row, 2 * i + j, 0], r[row, 2 * i + j, 3]) for j in (0, 1)])
+                     for i in range(r.shape[1] // 2)] for row in range(b)]
         np.testing.assert_array_equal(np.asarray(item_works(runs)), streamed)
+
+
+def _span(runs):
+    """Blocks from the first to the last of the non-empty [lo, hi) runs, 0 if all are empty."""
+    runs = [(lo, hi) for lo, hi in runs if lo < hi]
+    return max(hi for _, hi in runs) - min(lo for lo, _ in runs) if runs else 0
 
 
 def _lower(b, t, s, n, kh, h, dtype, *, segments=False, traced_offset=False, **kw):
@@ -273,7 +280,8 @@ def test_the_row_order_is_taken_only_where_its_deal_is_even(num_sms, heads, tile
     assert deal_order(num_sms, heads, tiles, batch, causal=True, segments=False) == order
     row, tile = (program_loads(modelled_work(tiles, batch, True), heads, num_sms, o) for o in ("row", "tile"))
     assert row.max() <= 1.02 * row.mean() if order == "row" else row.max() > 1.2 * tile.max()
-    assert deal_order(num_sms, heads, tiles, batch, causal=False, segments=False) == "row"  # equal items: both deals are alike
+    # equal items: both deals are alike
+    assert deal_order(num_sms, heads, tiles, batch, causal=False, segments=False) == "row"
 
 
 def test_the_deal_follows_the_documents_of_packed_rows():
