@@ -290,7 +290,8 @@ def test_the_deal_follows_the_documents_of_packed_rows():
     work. The dk/dv kernel's shape at T=8192, B=4, 8 KV heads, 4 documents a row: the row order would leave one
     program over 1.1x the mean, so the tile order is picked, its busiest program within one heaviest item of the
     mean. With the forward's 32 heads the row order stays within ROW_ORDER_SLACK of it and is kept."""
-    from mjax.kernels.attention.persistent import ROW_ORDER_SLACK, deal, deal_order, deal_pairs, program_loads  # noqa: PLC0415
+    from mjax.kernels.attention.persistent import (ROW_ORDER_SLACK, deal, deal_order, deal_pairs,  # noqa: PLC0415
+                                                   program_loads)
 
     num_sms, tiles, batch = 132, 64, 4
     rng = np.random.default_rng(0)
@@ -323,6 +324,13 @@ def test_equal_work_deals_the_later_pair_first():
     rows = np.asarray(deal_pairs(flat, "row")).reshape(batch, tiles)
     np.testing.assert_array_equal(rows[-1], np.arange(tiles)[::-1] + (batch - 1) * tiles)  # the last row: later first
     np.testing.assert_array_equal(rows[-2], np.arange(tiles) + (batch - 2) * tiles)  # the rows before: alternating
+
+
+def test_an_unknown_deal_order_raises():
+    from mjax.kernels.attention.persistent import deal_pairs  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="deal order 'rows'"):
+        deal_pairs(jnp.ones((2, 3), jnp.int32), "rows")
 
 
 def test_segment_ids_defer_the_order_to_the_runs():

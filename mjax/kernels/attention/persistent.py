@@ -42,6 +42,8 @@ def deal_pairs(work, order: str, xp=jnp):
     """[B * n] int32: the (batch row, tile) pairs, as row * n + tile, in the order their items are dealt, of their
     work [B, n] (xp: jnp in the kernels' wrapper, np in the model below). Heaviest first, equal work the later
     pair first."""
+    if order not in ORDERS:
+        raise ValueError(f"deal order {order!r}: must be one of {ORDERS}")
     b, n = work.shape
     if order == "row":
         lightest_first = xp.argsort(work, axis=1, stable=True)  # [B, n]
