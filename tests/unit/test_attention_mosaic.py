@@ -17,7 +17,8 @@ import pytest
 from mjax.kernels.attention import flash, mosaic
 from mjax.kernels.attention.flash import flash_attention
 from mjax.kernels.attention.mosaic import MosaicBlocks, default_mosaic_blocks
-from mjax.kernels.attention.persistent import item_works
+from mjax.kernels.attention.persistent import (ROW_ORDER_SLACK, deal, deal_order, deal_pairs, item_works,
+                                              modelled_work, persistent_work, persistent_works, program_loads)
 from mjax.kernels.options import ATTN_CORE
 
 DEFAULT = default_mosaic_blocks(128)
@@ -222,16 +223,13 @@ def _deal(num_sms, heads, tiles, batch, order, work=None):
     """{item: its place in the order} over every program's items, through the kernels' deal_pairs and
     persistent_work (vectorised over programs and their items), and each program's work: `work` [batch, tiles]
     blocks per tile (default causal: t + 1)."""
-    from mjax.kernels.attention.persistent import (deal_pairs, modelled_work, persistent_work,  # noqa: PLC0415
-                                                   persistent_works)
-
     work = modelled_work(tiles, batch, causal=True) if work is None else work
-    deal = deal_pairs(jnp.asarray(work), order)
+    dealt = deal_pairs(jnp.asarray(work), order)
     counts = [int(persistent_works(jnp.int32(sm), heads * tiles * batch, num_sms)) for sm in range(num_sms)]
     sm = np.repeat(np.arange(num_sms), counts)
     i = np.concatenate([np.arange(c) for c in counts])
     tile, head, row = (np.asarray(x) for x in persistent_work(jnp.asarray(sm), jnp.asarray(i), num_sms, heads, tiles,
-                                                              deal))
+                                                              dealt))
     places = dict(zip(zip(tile.tolist(), head.tolist(), row.tolist()),
                       (i * num_sms + np.where(i % 2 == 0, sm, num_sms - 1 - sm)).tolist()))
     assert len(i) == len(places) == heads * tiles * batch  # no item twice
@@ -254,8 +252,6 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     program takes every row's heaviest tile); the tile order takes tiles heaviest first and
     keeps the busiest program's causal work within one heaviest item of the mean. program_loads, which picks the
     order, counts the same work as the deal."""
-    from mjax.kernels.attention.persistent import modelled_work, program_loads  # noqa: PLC0415
-
     places, work = _deal(num_sms, heads, tiles, batch, order)
     ordered = sorted(places, key=places.get)
     assert [h for _, h, _ in ordered] == [w % heads for w in range(len(ordered))]
@@ -275,8 +271,6 @@ def test_persistent_forward_deals_every_item_once(num_sms, heads, tiles, batch, 
     (132, 4, 32, 8, "tile"), (114, 1, 16, 16, "tile"),  # where the row order's deal is uneven
 ])
 def test_the_row_order_is_taken_only_where_its_deal_is_even(num_sms, heads, tiles, batch, order):
-    from mjax.kernels.attention.persistent import modelled_work, deal_order, program_loads  # noqa: PLC0415
-
     assert deal_order(num_sms, heads, tiles, batch, causal=True, segments=False) == order
     row, tile = (program_loads(modelled_work(tiles, batch, True), heads, num_sms, o) for o in ("row", "tile"))
     assert row.max() <= 1.02 * row.mean() if order == "row" else row.max() > 1.2 * tile.max()
@@ -290,9 +284,6 @@ def test_the_deal_follows_the_documents_of_packed_rows():
     work. The dk/dv kernel's shape at T=8192, B=4, 8 KV heads, 4 documents a row: the row order would leave one
     program over 1.1x the mean, so the tile order is picked, its busiest program within one heaviest item of the
     mean. With the forward's 32 heads the row order stays within ROW_ORDER_SLACK of it and is kept."""
-    from mjax.kernels.attention.persistent import (ROW_ORDER_SLACK, deal, deal_order, deal_pairs,  # noqa: PLC0415
-                                                   program_loads)
-
     num_sms, tiles, batch = 132, 64, 4
     rng = np.random.default_rng(0)
     work = np.stack([np.concatenate([np.arange(n, 0, -1) for n in np.diff(np.r_[0, cuts, tiles])])
@@ -316,8 +307,6 @@ def test_the_deal_follows_the_documents_of_packed_rows():
 def test_equal_work_deals_the_later_pair_first():
     """Ties (equal work: no causal mask, or a window's full tiles) go to the later (row, tile) pair first, in both
     orders, so a causal row-order deal is the one a tile-index formula gave."""
-    from mjax.kernels.attention.persistent import deal_pairs, modelled_work  # noqa: PLC0415
-
     tiles, batch = 5, 3
     flat = jnp.asarray(modelled_work(tiles, batch, causal=False))
     np.testing.assert_array_equal(deal_pairs(flat, "tile"), np.arange(batch * tiles)[::-1])
@@ -327,8 +316,6 @@ def test_equal_work_deals_the_later_pair_first():
 
 
 def test_an_unknown_deal_order_raises():
-    from mjax.kernels.attention.persistent import deal_pairs  # noqa: PLC0415
-
     with pytest.raises(ValueError, match="deal order 'rows'"):
         deal_pairs(jnp.ones((2, 3), jnp.int32), "rows")
 
