@@ -12,6 +12,7 @@ import re
 import tempfile
 
 import jax
+import numpy as np
 from jax.profiler import ProfileData
 
 # Kernel name -> kind of work (GPU kernel names of cuBLAS/cuDNN/NCCL/XLA; first match wins).
@@ -165,3 +166,30 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile
     return Profile(steps, wall * 1e3 / steps, busy, dict(by_kind), dict(by_scope),
                    [(n, k, s, ms, calls, op) for (n, k, s, op), (ms, calls) in ranked], found_ms / total,
                    list(unmatched.items()), _exposed_ns(collective, compute) / 1e6 / steps)
+
+
+def stream_kernels(path):
+    """(name, start ns, end ns) of every kernel on the first GPU's streams, in start order."""
+    planes = sorted((p for p in ProfileData.from_file(path).planes if p.name.startswith("/device:GPU")),
+                    key=lambda p: p.name)
+    if not planes:
+        raise ValueError(f"no GPU in the trace {path}")
+    plane = planes[0]
+    events = [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines if "stream" in line.name.lower()
+              for ev in line.events]
+    return sorted(events, key=lambda e: e[1])
+
+
+def step_table(events, steps):
+    """Per kernel position in a step: (name, mean ms running, mean ms idle before it); the step's span in ms."""
+    if len(events) % steps:
+        raise ValueError(f"{len(events)} kernels do not split into {steps} steps")
+    per = len(events) // steps
+    run, idle, span = np.zeros(per), np.zeros(per), 0.0
+    for s in range(steps):
+        step = events[s * per:(s + 1) * per]
+        span += (step[-1][2] - step[0][1]) / 1e6
+        for i, (_, start, end) in enumerate(step):
+            run[i] += (end - start) / 1e6
+            idle[i] += max(0, start - step[i - 1][2]) / 1e6 if i else 0.0
+    return [(events[i][0], run[i] / steps, idle[i] / steps) for i in range(per)], span / steps

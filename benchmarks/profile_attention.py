@@ -1,0 +1,71 @@
+"""Where attention's forward + backward spends device time, kernel by kernel: the bench's causal and packed cases
+traced with jax.profiler, each step's kernels in launch order with the idle time before each, summed over steps.
+
+    python -m benchmarks.profile_attention --kernel=mosaic --seqs=8192 --hlo_dir=$OUT
+
+prints per case the device span of a step (first kernel's start to last kernel's end), the time kernels ran, the
+idle time between them, and each kernel's time; --hlo_dir gets each case's compiled HLO. --heads, --seqs and
+--tokens are bench_attention's flags.
+"""
+
+import glob
+import os
+import tempfile
+
+from absl import flags
+
+from benchmarks.cli import BadInput, run_main
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()
+
+import jax  # noqa: E402
+
+from benchmarks.attention_cases import inputs  # noqa: E402
+from benchmarks.bench_attention import attention_fns, packed_segments, parse_heads, parse_seqs  # noqa: E402
+from benchmarks.profile import step_table, stream_kernels  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("kernel", "mosaic", ["mosaic", "pallas", "cudnn"], "Attention kernel to profile.")
+flags.DEFINE_integer("traced_steps", 10, "Traced steps per case.")
+flags.DEFINE_string("hlo_dir", None, "Folder for each case's compiled HLO.")
+
+
+def profile_case(fn, args, steps):
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                jax.block_until_ready(fn(*args))
+        return step_table(stream_kernels(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]), steps)
+
+
+def main():
+    if jax.default_backend() != "gpu":
+        raise BadInput(f"no GPU (JAX backend {jax.default_backend()}): the trace reads the GPU's kernels")
+    heads = parse_heads(FLAGS.heads)
+    for t in parse_seqs(FLAGS.seqs):
+        b = FLAGS.tokens // t
+        q, k, v, do = inputs(t, b, heads)
+        for packed in (False, True) if FLAGS.kernel != "cudnn" else (False,):
+            seg = packed_segments(b, t) if packed else None
+            _, fwd_bwd = attention_fns(FLAGS.kernel, None, False)
+            args = (q, k, v, seg, do)
+            name = f"{FLAGS.kernel} T={t} B={b}{' packed' if packed else ''}"
+            if FLAGS.hlo_dir:
+                os.makedirs(FLAGS.hlo_dir, exist_ok=True)
+                with open(os.path.join(FLAGS.hlo_dir, f"hlo_{FLAGS.kernel}_{t}{'_packed' if packed else ''}.txt"),
+                          "w") as f:
+                    f.write(fwd_bwd.lower(*args).compile().as_text())
+            rows, span = profile_case(fwd_bwd, args, FLAGS.traced_steps)
+            running, idle = sum(r for _, r, _ in rows), sum(i for *_, i in rows)
+            print(f"\n{name}: step span {span:.3f} ms, kernels running {running:.3f} ms, idle between them "
+                  f"{idle:.3f} ms, {len(rows)} kernels")
+            for kernel, r, i in rows:
+                print(f"  {r:8.3f} ms  idle before {i:6.3f}  {kernel[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
