@@ -1,0 +1,70 @@
+"""What attention's per-call XLA work before the Mosaic kernels costs: the block runs and the deal, computed from
+the segment ids. Forward + backward (one jit, as bench_attention times it) of the packed case (T=8192, B=4, 4
+documents a row) and of the causal case, timed twice: "xla" with the segment ids an argument (that work runs as
+XLA ops in every call, as in training) and "const" with its results computed once outside and baked in as
+constants (the kernels alone). Prints ms and a hash of the gradients. Per tree: PYTHONPATH=TREE python
+docs/ab/prologue_ab.py TAG"""
+import hashlib
+import sys
+
+from mjax.xla_flags import apply_defaults
+
+apply_defaults()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.attention_cases import inputs  # noqa: E402
+from benchmarks.bench_attention import packed_segments  # noqa: E402
+from benchmarks.harness import time_fn  # noqa: E402
+from mjax.kernels.attention import mosaic, mosaic_backward, mosaic_forward  # noqa: E402
+from mjax.kernels.attention.flash import flash_attention  # noqa: E402
+
+BLOCK_RUNS, DEAL = mosaic.block_runs, mosaic_forward.deal
+
+
+def baked(seg):
+    """Patches the wrapper's block_runs and the kernels' deal to return constants computed from `seg` (None: the
+    causal case) outside the trace."""
+    def block_runs(spec, offsets, q_seg, kv_seg, **kw):
+        b = offsets.shape[0]
+        s = None if seg is None else jnp.asarray(seg)
+        with jax.ensure_compile_time_eval():
+            return jnp.asarray(np.asarray(BLOCK_RUNS(spec, jnp.full((b,), spec.offset, jnp.int32), s, s, **kw)))
+
+    def deal(runs, *args):
+        with jax.ensure_compile_time_eval():
+            return jnp.asarray(np.asarray(DEAL(runs, *args)))
+
+    mosaic.block_runs, mosaic_forward.deal, mosaic_backward.deal = block_runs, deal, deal
+
+
+def restore():
+    mosaic.block_runs, mosaic_forward.deal, mosaic_backward.deal = BLOCK_RUNS, DEAL, DEAL
+
+
+def fwd_bwd(seg_arg):
+    def f(q, k, v, do, *seg):
+        _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else
+                                                         seg_arg, kernel="mosaic", interpret=CPU), q, k, v)
+        return vjp(do)
+    return jax.jit(f)
+
+
+tag = sys.argv[1]
+CPU = jax.default_backend() == "cpu"  # a dry run of the script, interpreted at toy sizes
+for packed in (True, False):
+    t, b = (256, 2) if CPU else (8192, 4)
+    q, k, v, do = inputs(t, b, (4, 2, 64) if CPU else (32, 8, 128))
+    seg = packed_segments(b, t) if packed else None
+    for mode in ("xla", "const", "xla"):
+        if mode == "const":
+            baked(seg)
+            f, args = fwd_bwd(seg), (q, k, v, do)
+        else:
+            restore()
+            f, args = fwd_bwd(None), (q, k, v, do) + ((seg,) if packed else ())
+        grads = jax.block_until_ready(f(*args))
+        digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in grads)).hexdigest()[:16]
+        ms = time_fn(f, *args, min_s=0.5, max_iters=2 if CPU else 50) * 1e3
+        print("RESULT", tag, f"T={t} packed={packed} {mode} fb={ms:.3f} grads {digest}", flush=True)
