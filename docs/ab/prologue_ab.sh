@@ -1,12 +1,13 @@
 #!/bin/bash
-# Decides the prologue change (docs/ab/prologue.patch, applied in this tree): prologue_ab.py on this tree and on
-# the tree before it (the patch reversed in a copy), alternating processes, XLA's fusion autotuner off (so hashes
-# compare); then the per-kernel profile of both at T=8192. From the repo root; logs under $OUT; LIMIT bounds the
-# seconds it runs.
+# Decides docs/ab/prologue.patch: prologue_ab.py on this tree with the patch applied and on the tree as committed
+# (a copy), alternating processes, XLA's fusion autotuner off (so hashes compare); then the per-kernel profile of
+# both at T=8192. Applies the patch to this checkout: run it on a throwaway copy (the GPU machine's), from the repo
+# root. Logs under $OUT; LIMIT bounds the seconds it runs.
 set -u
 OUT=${OUT:-/tmp/prologue_ab}; LIMIT=${LIMIT:-480}; mkdir -p "$OUT"
 BASE=$(mktemp -d) && cp -r mjax benchmarks docs "$BASE"/
-(cd "$BASE" && patch -R -p1 -s < docs/ab/prologue.patch) || { echo "the patch does not reverse" >&2; exit 1; }
+{ git apply docs/ab/prologue.patch 2>/dev/null || patch -p1 -s < docs/ab/prologue.patch; } \
+  || { echo "the patch does not apply to this tree" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_experimental_enable_fusion_autotuner=false
 { nvidia-smi -L; python -c "import jax; print('jax', jax.__version__)"; } > "$OUT/gpu.txt"
 ab() {
