@@ -169,7 +169,8 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile
 
 
 def stream_kernels(path):
-    """(name, start ns, end ns) of every kernel on the first GPU's streams, in start order."""
+    """(name, start ns, end ns) of every event on the first GPU's streams (kernels, copies, memsets; tagged with an
+    HLO op or not, unlike profile_step's), in start order."""
     planes = sorted((p for p in ProfileData.from_file(path).planes if p.name.startswith("/device:GPU")),
                     key=lambda p: p.name)
     if not planes:
@@ -181,10 +182,14 @@ def stream_kernels(path):
 
 
 def step_table(events, steps):
-    """Per kernel position in a step: (name, mean ms running, mean ms idle before it); the step's span in ms."""
+    """Per kernel position in a step: (name, mean ms running, mean ms idle before it); the step's span in ms.
+    Every step must launch the same kernels in the same order."""
     if len(events) % steps:
         raise ValueError(f"{len(events)} kernels do not split into {steps} steps")
     per = len(events) // steps
+    names = [[e[0] for e in events[s * per:(s + 1) * per]] for s in range(steps)]
+    if any(n != names[0] for n in names):
+        raise ValueError("the steps launched different kernels: the trace does not split into equal steps")
     run, idle, span = np.zeros(per), np.zeros(per), 0.0
     for s in range(steps):
         step = events[s * per:(s + 1) * per]

@@ -1,11 +1,11 @@
 """Where attention's forward + backward spends device time, kernel by kernel: the bench's causal and packed cases
-traced with jax.profiler, each step's kernels in launch order with the idle time before each, summed over steps.
+traced with jax.profiler, each step's kernels in launch order with the idle time before each, averaged over steps.
 
-    python -m benchmarks.profile_attention --kernel=mosaic --seqs=8192 --hlo_dir=$OUT
+    python -m benchmarks.profile_attention --kernel=mosaic --seqs=8192 --profile_hlo_dir=$OUT
 
 prints per case the device span of a step (first kernel's start to last kernel's end), the time kernels ran, the
-idle time between them, and each kernel's time; --hlo_dir gets each case's compiled HLO. --heads, --seqs and
---tokens are bench_attention's flags.
+idle time between them, and each kernel's time; --profile_hlo_dir gets each case's compiled HLO. --heads, --seqs
+and --tokens are bench_attention's flags.
 """
 
 import glob
@@ -28,7 +28,7 @@ from benchmarks.profile import step_table, stream_kernels  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("kernel", "mosaic", ["mosaic", "pallas", "cudnn"], "Attention kernel to profile.")
 flags.DEFINE_integer("traced_steps", 10, "Traced steps per case.")
-flags.DEFINE_string("hlo_dir", None, "Folder for each case's compiled HLO.")
+flags.DEFINE_string("profile_hlo_dir", None, "Folder for each case's compiled HLO.")
 
 
 def profile_case(fn, args, steps):
@@ -53,10 +53,10 @@ def main():
             _, fwd_bwd = attention_fns(FLAGS.kernel, None, False)
             args = (q, k, v, seg, do)
             name = f"{FLAGS.kernel} T={t} B={b}{' packed' if packed else ''}"
-            if FLAGS.hlo_dir:
-                os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-                with open(os.path.join(FLAGS.hlo_dir, f"hlo_{FLAGS.kernel}_{t}{'_packed' if packed else ''}.txt"),
-                          "w") as f:
+            if FLAGS.profile_hlo_dir:
+                os.makedirs(FLAGS.profile_hlo_dir, exist_ok=True)
+                path = f"hlo_{FLAGS.kernel}_{t}{'_packed' if packed else ''}.txt"
+                with open(os.path.join(FLAGS.profile_hlo_dir, path), "w") as f:
                     f.write(fwd_bwd.lower(*args).compile().as_text())
             rows, span = profile_case(fwd_bwd, args, FLAGS.traced_steps)
             running, idle = sum(r for _, r, _ in rows), sum(i for *_, i in rows)

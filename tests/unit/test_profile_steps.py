@@ -20,3 +20,5 @@ def test_kernels_split_into_steps_with_the_idle_time_before_each():
 def test_a_trace_that_does_not_split_into_the_steps_is_refused():
     with pytest.raises(ValueError, match="do not split into 2 steps"):
         step_table([("a", 0, 1), ("b", 1, 2), ("c", 2, 3)], 2)
+    with pytest.raises(ValueError, match="launched different kernels"):
+        step_table([("a", 0, 1), ("b", 1, 2), ("a", 5, 6), ("c", 6, 7)], 2)
