@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import re
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -127,18 +128,21 @@ def _exposed_ns(intervals, cover):
     return sum((e - s) - sum(max(0, min(e, ce) - max(s, cs)) for cs, ce in union) for s, e in intervals)
 
 
-def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile:
-    """Traces `steps` calls of `run_step()` (which must block) and sums device time per kernel / kind / part."""
-    import time  # noqa: PLC0415
-
+def trace(run_step, steps: int):
+    """(ProfileData, wall seconds) of `steps` calls of `run_step()` (which must block) under jax.profiler."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             t0 = time.perf_counter()
             for _ in range(steps):
                 run_step()
             wall = time.perf_counter() - t0
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        events = list(_device_events(data))
+        return ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]), wall
+
+
+def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile:
+    """Traces `steps` calls of `run_step()` (which must block) and sums device time per kernel / kind / part."""
+    data, wall = trace(run_step, steps)
+    events = list(_device_events(data))
     scopes = op_scopes(hlo_text)
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     by_kind, by_scope = collections.Counter(), collections.Counter()
@@ -168,13 +172,12 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile
                    list(unmatched.items()), _exposed_ns(collective, compute) / 1e6 / steps)
 
 
-def stream_kernels(path):
-    """(name, start ns, end ns) of every event on the first GPU's streams (kernels, copies, memsets; tagged with an
-    HLO op or not, unlike profile_step's), in start order."""
-    planes = sorted((p for p in ProfileData.from_file(path).planes if p.name.startswith("/device:GPU")),
-                    key=lambda p: p.name)
+def stream_kernels(data):
+    """(name, start ns, end ns) of every event on the first GPU's streams of a trace (kernels, copies, memsets;
+    tagged with an HLO op or not, unlike profile_step's), in start order."""
+    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")), key=lambda p: p.name)
     if not planes:
-        raise ValueError(f"no GPU in the trace {path}")
+        raise ValueError("no GPU in the trace")
     plane = planes[0]
     events = [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines if "stream" in line.name.lower()
               for ev in line.events]
@@ -187,12 +190,11 @@ def step_table(events, steps):
     if len(events) % steps:
         raise ValueError(f"{len(events)} kernels do not split into {steps} steps")
     per = len(events) // steps
-    names = [[e[0] for e in events[s * per:(s + 1) * per]] for s in range(steps)]
-    if any(n != names[0] for n in names):
+    split = [events[s * per:(s + 1) * per] for s in range(steps)]
+    if any([e[0] for e in step] != [e[0] for e in split[0]] for step in split):
         raise ValueError("the steps launched different kernels: the trace does not split into equal steps")
     run, idle, span = np.zeros(per), np.zeros(per), 0.0
-    for s in range(steps):
-        step = events[s * per:(s + 1) * per]
+    for step in split:
         span += (step[-1][2] - step[0][1]) / 1e6
         for i, (_, start, end) in enumerate(step):
             run[i] += (end - start) / 1e6

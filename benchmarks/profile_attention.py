@@ -8,9 +8,7 @@ idle time between them, and each kernel's time; --profile_hlo_dir gets each case
 and --tokens are bench_attention's flags.
 """
 
-import glob
 import os
-import tempfile
 
 from absl import flags
 
@@ -23,7 +21,7 @@ import jax  # noqa: E402
 
 from benchmarks.attention_cases import inputs  # noqa: E402
 from benchmarks.bench_attention import attention_fns, packed_segments, parse_heads, parse_seqs  # noqa: E402
-from benchmarks.profile import step_table, stream_kernels  # noqa: E402
+from benchmarks.profile import step_table, stream_kernels, trace  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("kernel", "mosaic", ["mosaic", "pallas", "cudnn"], "Attention kernel to profile.")
@@ -31,14 +29,12 @@ flags.DEFINE_integer("traced_steps", 10, "Traced steps per case.")
 flags.DEFINE_string("profile_hlo_dir", None, "Folder for each case's compiled HLO.")
 
 
-def profile_case(fn, args, steps):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                jax.block_until_ready(fn(*args))
-        return step_table(stream_kernels(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]), steps)
+def profile_case(fn, steps):
+    """step_table of `steps` traced calls of fn() after two warm-up calls."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    data, _ = trace(lambda: jax.block_until_ready(fn()), steps)
+    return step_table(stream_kernels(data), steps)
 
 
 def main():
@@ -53,12 +49,13 @@ def main():
             _, fwd_bwd = attention_fns(FLAGS.kernel, None, False)
             args = (q, k, v, seg, do)
             name = f"{FLAGS.kernel} T={t} B={b}{' packed' if packed else ''}"
+            compiled = fwd_bwd.lower(*args).compile()  # once: traced below, its HLO written where asked
             if FLAGS.profile_hlo_dir:
                 os.makedirs(FLAGS.profile_hlo_dir, exist_ok=True)
                 path = f"hlo_{FLAGS.kernel}_{t}{'_packed' if packed else ''}.txt"
                 with open(os.path.join(FLAGS.profile_hlo_dir, path), "w") as f:
-                    f.write(fwd_bwd.lower(*args).compile().as_text())
-            rows, span = profile_case(fwd_bwd, args, FLAGS.traced_steps)
+                    f.write(compiled.as_text())
+            rows, span = profile_case(lambda: compiled(*args), FLAGS.traced_steps)
             running, idle = sum(r for _, r, _ in rows), sum(i for *_, i in rows)
             print(f"\n{name}: step span {span:.3f} ms, kernels running {running:.3f} ms, idle between them "
                   f"{idle:.3f} ms, {len(rows)} kernels")
