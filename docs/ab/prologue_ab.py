@@ -1,8 +1,8 @@
 """What attention's per-call XLA work before the Mosaic kernels costs: the block runs and the deal, computed from
 the segment ids. Forward + backward (one jit, as bench_attention times it) of the packed case (T=8192, B=4, 4
-documents a row) and of the causal case, timed twice: "xla" with the segment ids an argument (that work runs as
-XLA ops in every call, as in training) and "const" with its results computed once outside and baked in as
-constants (the kernels alone). Prints ms and a hash of the gradients. Per tree: PYTHONPATH=TREE python
+documents a row) and of the causal case, timed twice: "xla", that work running as XLA ops on the segment ids in
+every call (as in training), and "const", its results computed once outside and baked in as constants (the
+kernels alone). Prints ms and a hash of the gradients. Per tree: PYTHONPATH=TREE python
 docs/ab/prologue_ab.py TAG"""
 import hashlib
 import sys
@@ -15,10 +15,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.attention_cases import inputs  # noqa: E402
-from benchmarks.bench_attention import packed_segments  # noqa: E402
+from benchmarks.bench_attention import attention_fns, packed_segments  # noqa: E402
 from benchmarks.harness import time_fn  # noqa: E402
 from mjax.kernels.attention import mosaic, mosaic_backward, mosaic_forward  # noqa: E402
-from mjax.kernels.attention.flash import flash_attention  # noqa: E402
 
 BLOCK_RUNS, DEAL = mosaic.block_runs, mosaic_forward.deal
 
@@ -48,14 +47,6 @@ def restore():
     mosaic.block_runs, mosaic_forward.deal, mosaic_backward.deal = BLOCK_RUNS, DEAL, DEAL
 
 
-def fwd_bwd(seg_arg):
-    def f(q, k, v, do, *seg):
-        _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else
-                                                         seg_arg, kernel="mosaic", interpret=CPU), q, k, v)
-        return vjp(do)
-    return jax.jit(f)
-
-
 tag = sys.argv[1]
 CPU = jax.default_backend() == "cpu"  # a dry run of the script, interpreted at toy sizes
 for packed in (True, False):
@@ -66,12 +57,13 @@ for packed in (True, False):
         jax.clear_caches()  # the kernels' inner jits would otherwise reuse the other mode's trace
         if mode == "const":
             baked(seg)
-            f, args = fwd_bwd(seg), (q, k, v, do)
-            text = f.lower(*args).as_text()
-            assert "sort" not in text and "scatter" not in text, "the const mode still computes the deal"
         else:
             restore()
-            f, args = fwd_bwd(None), (q, k, v, do) + ((seg,) if packed else ())
+        _, f = attention_fns("mosaic", None, CPU)
+        args = (q, k, v, seg, do)  # const: the patched functions ignore the traced ids
+        if mode == "const":
+            text = f.lower(*args).as_text()
+            assert "sort" not in text and "scatter" not in text, "the const mode still computes the deal"
         grads = jax.block_until_ready(f(*args))
         digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in grads)).hexdigest()[:16]
         ms = time_fn(f, *args, min_s=0.5, max_iters=2 if CPU else 50) * 1e3
