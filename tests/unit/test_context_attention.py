@@ -55,7 +55,7 @@ CASES = {  # name: (comm type, a2a group size, cp, tp, heads, kv heads, load bal
 
 
 FAST = {("p2p_cp4_tp2", "causal"), ("p2p_cp4_tp2", "window_and_documents"), ("all_gather_cp4_tp2", "causal"),
-        ("a2a_cp4_tp2_kv_repeated", "window_and_documents")}  # the rest: compile-heavy, in make test only
+        ("a2a_cp4_tp2_kv_repeated", "window_and_documents")}  # the rest: compile-heavy, in make test-all only
 
 
 @pytest.mark.parametrize("case, masks", [
