@@ -89,11 +89,16 @@ def scope_of(op_name: str) -> str:
     return "other"
 
 
+def _first_device_plane(data):
+    """The trace's plane of its first device (lowest name, e.g. /device:GPU:0), or None where it has none."""
+    return min((p for p in data.planes if p.name.startswith("/device:")), key=lambda p: p.name, default=None)
+
+
 def _device_events(data):
     """(kernel name, hlo_op, start ns, end ns) of every event tagged with an HLO op, on the first device's plane
     (the host's where there is no device plane): per-device numbers, as the benchmark reports."""
-    planes = sorted((p for p in data.planes if p.name.startswith("/device:")), key=lambda p: p.name)[:1] or \
-        [p for p in data.planes if p.name.startswith("/host:CPU")]
+    device = _first_device_plane(data)
+    planes = [device] if device else [p for p in data.planes if p.name.startswith("/host:CPU")]
     for plane in planes:
         for line in plane.lines:
             for ev in line.events:
@@ -175,10 +180,9 @@ def profile_step(run_step, steps: int, hlo_text: str, top: int = 150) -> Profile
 def stream_kernels(data):
     """(name, start ns, end ns) of every event on the first GPU's streams of a trace (kernels, copies, memsets;
     tagged with an HLO op or not, unlike profile_step's), in start order."""
-    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")), key=lambda p: p.name)
-    if not planes:
+    plane = _first_device_plane(data)
+    if plane is None or not plane.name.startswith("/device:GPU"):
         raise ValueError("no GPU in the trace")
-    plane = planes[0]
     events = [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines if "stream" in line.name.lower()
               for ev in line.events]
     return sorted(events, key=lambda e: e[1])
