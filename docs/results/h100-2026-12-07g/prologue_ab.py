@@ -3,7 +3,7 @@ the segment ids. Forward + backward (one jit, as bench_attention times it) of th
 documents a row) and of the causal case, timed twice: "xla", that work running as XLA ops on the segment ids in
 every call (as in training), and "const", its results computed once outside and baked in as constants (the
 kernels alone). Prints ms and a hash of the gradients. Per tree: PYTHONPATH=TREE python
-docs/ab/prologue_ab.py TAG"""
+docs/results/h100-2026-12-07g/prologue_ab.py TAG"""
 import hashlib
 import sys
 
