@@ -37,18 +37,22 @@ def rate(row, prefix, flop, seconds, ceiling):
     row[f"{prefix}of_ceiling"] = row[f"{prefix}tflops"] / ceiling
 
 
-def summarise_passes(row, times, cudnn_times, flop, ceiling):
+def summarise_passes(row, times, cudnn_times, flop, ceiling, unpacked_times=None):
     """row with the passes' timings (per pass: forward s, forward + backward s, error; None where not run): the
     median times as rates, the first error, and with cudnn_times (the same passes of cuDNN) the kernel's speed-up
-    over cuDNN, the median of the passes' own ratios ('*_x_cudnn'; with several passes also their range)."""
+    over cuDNN, the median of the passes' own ratios ('*_x_cudnn'; with several passes also their range); with
+    unpacked_times (the same kernel on unpacked rows, timed in the same passes) the packed row's time over the
+    unpacked one's, likewise ('*_of_unpacked')."""
     row.update(passes=len(times), error=next((e for *_, e in times if e), None))
     for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
         ran = [p[m] for p in times if p[m] is not None]
         if ran:
             rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)
-        versus = pass_ratios([p[m] for p in times], [p[m] for p in cudnn_times]) if cudnn_times else None
-        if versus:
-            row[f"{prefix}x_cudnn"] = versus[0]
-            if len(times) > 1:
-                row[f"{prefix}x_cudnn_range"] = versus[1]
+        mine = [p[m] for p in times]
+        for key, ratio in (("x_cudnn", cudnn_times and pass_ratios(mine, [p[m] for p in cudnn_times])),
+                           ("of_unpacked", unpacked_times and pass_ratios([p[m] for p in unpacked_times], mine))):
+            if ratio:
+                row[f"{prefix}{key}"] = ratio[0]
+                if len(times) > 1:
+                    row[f"{prefix}{key}_range"] = ratio[1]
     return row

@@ -17,7 +17,8 @@ run. One table and JSON.
    then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
    --passes=N times each case's implementations N times over, one after another: rows hold the median of their
    passes' times and each kernel's speed-up over cuDNN as the median of the passes' own ratios (`*_x_cudnn`,
-   with their range); the target checks use --passes=3.
+   with their range); a packed row's time over the same kernel's on unpacked rows, timed in the same passes,
+   likewise (`*_of_unpacked`); the target checks use --passes=3.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
 (the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
 kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
@@ -236,20 +237,27 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
         fns = {impl: attention_fns(impl, blocks.get(impl), interpret, window) for impl in impls}
         skip_bwd = {impl: impl == "xla" and t > skip_xla_bwd_over for impl in impls}
         times = {impl: [] for impl in impls}  # per pass: (forward s, forward + backward s, error)
+        unpacked = {impl: [] for impl in impls} if packed else None  # the same kernel without the ids, same passes
+
+        def timed(impl, ids):
+            fwd, fwd_bwd = fns[impl]
+            f, err = time_or_error(fwd, q, k, v, ids, min_s=FLAGS.min_time_s)
+            fb = None
+            if f is not None and not skip_bwd[impl]:
+                fb, err = time_or_error(fwd_bwd, q, k, v, ids, do, min_s=FLAGS.min_time_s)
+            return f, fb, err
+
         for _ in range(FLAGS.passes):  # every implementation once a pass: the clock drifts over a long run
             for impl in impls:
-                fwd, fwd_bwd = fns[impl]
-                f, err = time_or_error(fwd, q, k, v, seg, min_s=FLAGS.min_time_s)
-                fb = None
-                if f is not None and not skip_bwd[impl]:
-                    fb, err = time_or_error(fwd_bwd, q, k, v, seg, do, min_s=FLAGS.min_time_s)
-                times[impl].append((f, fb, err))
+                if packed:  # the packed target is a ratio to this: both timed in one clock state
+                    unpacked[impl].append(timed(impl, None))
+                times[impl].append(timed(impl, seg))
         for impl in impls:
             label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
                    "fwd_bwd_skipped": skip_bwd[impl]}
             versus = times.get("cudnn") if impl in kernels else None
-            rows.append(summarise_passes(row, times[impl], versus, flop, ceiling))
+            rows.append(summarise_passes(row, times[impl], versus, flop, ceiling, unpacked and unpacked[impl]))
             print_table_row(rows[-1])
 
 
@@ -269,9 +277,11 @@ def print_table_row(row):
         else:
             cells.append(f"{'skipped' if prefix == 'fwd_bwd_' and row['fwd_bwd_skipped'] else '-':>9} | "
                          f"{'-':>8} | {'-':>7}")
-    versus = [f"{what} {row[key]:.3f}x" for what, key in (("fwd", "fwd_x_cudnn"), ("f+b", "fwd_bwd_x_cudnn"))
-              if key in row]
-    tail = (f" vs cuDNN: {', '.join(versus)}" if versus else "") + (f" {row['error']}" if row["error"] else "")
+    tail = ""
+    for title, key in ((" vs cuDNN", "x_cudnn"), (" of unpacked", "of_unpacked")):
+        ratios = [f"{what} {row[p + key]:.3f}x" for what, p in (("fwd", "fwd_"), ("f+b", "fwd_bwd_")) if p + key in row]
+        tail += f"{title}: {', '.join(ratios)}" if ratios else ""
+    tail += f" {row['error']}" if row["error"] else ""
     print(f"| {row['label']:28} | {row['seq']:6d} | {row['batch']:4d} | {cells[0]} | {cells[1]} |{tail}", flush=True)
 
 

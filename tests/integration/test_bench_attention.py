@@ -51,6 +51,18 @@ def test_a_kernels_row_holds_its_median_times_and_its_speedup_over_cudnn_within_
     assert row["fwd_bwd_x_cudnn"] == pytest.approx(1.1)  # the failed pass left out
     one = summarise_passes({}, kernel[:1], None, flop=1e12, ceiling=10.0)
     assert one["passes"] == 1 and "fwd_x_cudnn" not in one and "fwd_x_cudnn_range" not in one
+    assert "fwd_of_unpacked" not in row and "fwd_of_unpacked" not in one
+
+
+def test_a_packed_row_holds_its_time_over_the_unpacked_rows_within_each_pass():
+    # the packed kernel takes about half the unpacked time; the clock halves in the last pass, the packed
+    # forward + backward failed in the second, the unpacked one in the third
+    packed = [(0.5, 2.2, None), (0.6, None, "OOM"), (1.0, 4.2, None)]
+    unpacked = [(1.0, 4.0, None), (1.0, 4.0, None), (2.0, None, "OOM")]
+    row = summarise_passes({}, packed, None, flop=1e12, ceiling=10.0, unpacked_times=unpacked)
+    assert row["fwd_of_unpacked"] == pytest.approx(0.5) and row["fwd_of_unpacked_range"] == pytest.approx([0.5, 0.6])
+    assert row["fwd_bwd_of_unpacked"] == pytest.approx(0.55)  # the one pass where both ran
+    assert row["fwd_bwd_of_unpacked_range"] == pytest.approx([0.55, 0.55]) and "fwd_x_cudnn" not in row
 
 
 @pytest.mark.slow  # ~15 s on 2 cores, more when loaded: ~13 interpreted kernel compiles
@@ -95,6 +107,10 @@ def test_smoke_run_prints_the_ceiling_and_writes_every_row(tmp_path):
         ("xla window=64", 128)]
     assert len(report["cudnn_skipped"]) == 2 and all("GPU" in s["reason"] for s in report["cudnn_skipped"])
     assert proc.stdout.count("| cudnn") == 2 and "skipped: cudnn needs a GPU" in proc.stdout
+    packed, unpacked = rows[2], rows[0]  # the packed row's ratio to the unpacked rows timed in its own passes
+    assert 0 < packed["fwd_bwd_of_unpacked"] and len(packed["fwd_bwd_of_unpacked_range"]) == 2
+    assert re.search(r"\| pallas packed .* of unpacked: fwd [0-9.]+x, f\+b [0-9.]+x", proc.stdout), proc.stdout
+    assert not any("fwd_of_unpacked" in r for r in rows if not r["packed"]) and unpacked["impl"] == "pallas"
     for r in rows:
         assert r["error"] is None, r
         assert r["passes"] == 2 and "fwd_x_cudnn" not in r  # no cuDNN off GPU: no speed-up against it
