@@ -1,7 +1,7 @@
 """Whether back-to-back forward + backward calls leave the GPU idle between them: for each case, the timed loop's
 ms per call (bench_attention's time_fn), and a trace of N calls issued without blocking, split into steps: the
 mean device span of a step, the kernels' running time in it, and the mean idle gap from one step's last kernel
-to the next step's first. python docs/ab/step_gap.py [T ...]"""
+to the next step's first. PYTHONPATH=. python docs/results/h100-2026-12-07h/step_gap.py [T ...]"""
 import sys
 
 from mjax.xla_flags import apply_defaults
