@@ -42,8 +42,10 @@ def summarise_passes(row, times, cudnn_times, flop, ceiling, unpacked_times=None
     median times as rates, the first error, and with cudnn_times (the same passes of cuDNN) the kernel's speed-up
     over cuDNN, the median of the passes' own ratios ('*_x_cudnn'; with several passes also their range); with
     unpacked_times (the same kernel on unpacked rows, timed in the same passes) the packed row's time over the
-    unpacked one's, likewise ('*_of_unpacked')."""
+    unpacked one's, likewise ('*_of_unpacked'; an error of the unpacked runs as 'unpacked_error')."""
     row.update(passes=len(times), error=next((e for *_, e in times if e), None))
+    if unpacked_error := next((e for *_, e in unpacked_times or () if e), None):
+        row["unpacked_error"] = unpacked_error
     for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
         ran = [p[m] for p in times if p[m] is not None]
         if ran:

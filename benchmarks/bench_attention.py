@@ -12,13 +12,14 @@ run. One table and JSON.
    On a Hopper GPU also the Mosaic kernels' blocks (the default and mosaic.MOSAIC_CANDIDATES, forward and
    forward + backward, then the backward's two kernels and XLA's delta timed apart); --sweep_kernels picks which,
    --mosaic_candidates which of MOSAIC_CANDIDATES the Mosaic sweep tries.
-2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with --tokens tokens per batch
-   (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the capability table allows it),
-   then, at the largest seq, packed documents (pallas only: cuDNN cannot mask them) and a sliding window of 1024.
-   --passes=N times each case's implementations N times over, one after another: rows hold the median of their
-   passes' times and each kernel's speed-up over cuDNN as the median of the passes' own ratios (`*_x_cudnn`,
-   with their range); a packed row's time over the same kernel's on unpacked rows, timed in the same passes,
-   likewise (`*_of_unpacked`); the target checks use --passes=3.
+2. Table: forward and forward + backward of mosaic (Hopper), pallas, cudnn and xla at each of --seqs with
+   --tokens tokens per batch (xla's forward + backward skipped above --skip_xla_bwd_over; cudnn only where the
+   capability table allows it), then, at the largest seq, packed documents (mosaic and pallas: cuDNN cannot mask
+   them) and a sliding window of 1024. --passes=N times each case's implementations N times over, one after another
+   (odd passes in reverse order): rows hold the median of their passes' times and each kernel's speed-up over cuDNN
+   as the median of the passes' own ratios (`*_x_cudnn`, with their range); a packed row's time over the same
+   kernel's on unpacked rows, timed in the same passes, likewise (`*_of_unpacked`); the target checks use
+   --passes=3.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
 (the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
 kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
@@ -247,11 +248,15 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
                 fb, err = time_or_error(fwd_bwd, q, k, v, ids, do, min_s=FLAGS.min_time_s)
             return f, fb, err
 
-        for _ in range(FLAGS.passes):  # every implementation once a pass: the clock drifts over a long run
-            for impl in impls:
-                if packed:  # the packed target is a ratio to this: both timed in one clock state
-                    unpacked[impl].append(timed(impl, None))
-                times[impl].append(timed(impl, seg))
+        # every implementation once a pass, as the clock drifts over a long run; a packed kernel also unpacked (the
+        # packed target is a ratio to that), both in one clock state; odd passes reversed, so that a drift within a
+        # pass does not favour whichever runs first
+        order = [(impl, times[impl], seg) for impl in impls]
+        if packed:
+            order = [entry for impl in impls for entry in ((impl, unpacked[impl], None), (impl, times[impl], seg))]
+        for pass_index in range(FLAGS.passes):
+            for impl, timings, ids in order if pass_index % 2 == 0 else order[::-1]:
+                timings.append(timed(impl, ids))
         for impl in impls:
             label = impl + (" packed (4 docs/row)" if packed else "") + (f" window={window}" if window else "")
             row = {"impl": impl, "label": label, "seq": t, "batch": b, "window": window, "packed": packed,
