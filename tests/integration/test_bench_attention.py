@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -66,31 +65,43 @@ def test_a_packed_row_holds_its_time_over_the_unpacked_rows_within_each_pass():
     assert row["fwd_bwd_of_unpacked_range"] == pytest.approx([0.55, 0.55]) and "fwd_x_cudnn" not in row
 
 
-def test_the_table_times_a_packed_kernel_unpacked_in_the_same_passes_in_alternating_order(monkeypatch):
-    """table() with the timing stubbed: a packed kernel's time is half its unpacked time (forward + backward four
-    times its forward), so the per-pass ratios are 0.5 only if the unpacked calls got no ids and the packed ones
-    the case's; the passes run unpacked then packed, then the reverse."""
-    from benchmarks import bench_attention  # noqa: PLC0415  (defines the script's absl flags)
+TABLE_WITH_STUBBED_TIMING = """
+import json, types
+from benchmarks import bench_attention
 
-    calls = []
+calls = []
 
-    def time_or_error(fn, q, k, v, ids, *do, min_s):
-        calls.append((fn, ids))
-        return (0.5 if ids is not None else 1.0) * (4.0 if do else 1.0), None
+def time_or_error(fn, q, k, v, ids, *do, min_s):
+    calls.append((fn, ids is not None))
+    return (0.5 if ids is not None else 1.0) * (4.0 if do else 1.0), None
 
-    monkeypatch.setattr(bench_attention, "FLAGS", types.SimpleNamespace(passes=3, min_time_s=0.0))
-    monkeypatch.setattr(bench_attention, "time_or_error", time_or_error)
-    monkeypatch.setattr(bench_attention, "attention_fns", lambda impl, *_: (f"{impl} fwd", f"{impl} fwd_bwd"))
-    rows, skips = [], []
-    bench_attention.table((2, 1, 8), [16], 32, 64, {"pallas": None}, 1.0, True, rows, skips)
+bench_attention.FLAGS = types.SimpleNamespace(passes=3, min_time_s=0.0)
+bench_attention.time_or_error = time_or_error
+bench_attention.attention_fns = lambda impl, *_: (f"{impl} fwd", f"{impl} fwd_bwd")
+rows = []
+bench_attention.table((2, 1, 8), [16], 32, 64, {"pallas": None}, 1.0, True, rows, [])
+print(json.dumps({"rows": rows, "calls": calls}))
+"""
+
+
+def test_the_table_times_a_packed_kernel_unpacked_in_the_same_passes_in_alternating_order():
+    """table() with the timing stubbed (in a subprocess: the script's absl flags are global): a packed kernel's time
+    is half its unpacked time (forward + backward four times its forward), so the per-pass ratios are 0.5 only if
+    the unpacked calls got no ids and the packed ones the case's; the passes run unpacked then packed, then the
+    reverse."""
+    proc = subprocess.run([sys.executable, "-c", TABLE_WITH_STUBBED_TIMING], cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows, calls = report["rows"], report["calls"]
     packed = next(r for r in rows if r["packed"])
     assert packed["fwd_of_unpacked"] == 0.5 and packed["fwd_bwd_of_unpacked"] == 0.5
     assert packed["fwd_bwd_of_unpacked_range"] == [0.5, 0.5] and "unpacked_error" not in packed
     assert not any("fwd_of_unpacked" in r for r in rows if not r["packed"])
     # the packed case's calls: each pass forward then forward + backward of unpacked and packed, odd passes reversed
-    start = next(i for i, (_, ids) in enumerate(calls) if ids is not None) - 2
-    case = [(fn.split()[1], ids is not None) for fn, ids in calls[start:start + 12]]
-    unpacked, packed_ = [("fwd", False), ("fwd_bwd", False)], [("fwd", True), ("fwd_bwd", True)]
+    start = next(i for i, (_, with_ids) in enumerate(calls) if with_ids) - 2
+    case = [[fn.split()[1], with_ids] for fn, with_ids in calls[start:start + 12]]
+    unpacked, packed_ = [["fwd", False], ["fwd_bwd", False]], [["fwd", True], ["fwd_bwd", True]]
     assert case == unpacked + packed_ + packed_ + unpacked + unpacked + packed_, case
 
 
