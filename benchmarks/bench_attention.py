@@ -251,9 +251,8 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
         # every implementation once a pass, as the clock drifts over a long run; a packed kernel also unpacked (the
         # packed target is a ratio to that), both in one clock state; odd passes reversed, so that a drift within a
         # pass does not favour whichever runs first
-        order = [(impl, times[impl], seg) for impl in impls]
-        if packed:
-            order = [entry for impl in impls for entry in ((impl, unpacked[impl], None), (impl, times[impl], seg))]
+        order = [entry for impl in impls
+                 for entry in ([(impl, unpacked[impl], None)] if packed else []) + [(impl, times[impl], seg)]]
         for pass_index in range(FLAGS.passes):
             for impl, timings, ids in order if pass_index % 2 == 0 else order[::-1]:
                 timings.append(timed(impl, ids))
