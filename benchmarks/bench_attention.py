@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.attention_cases import (DTYPE, causal_flops, inputs, rate, summarise_passes,  # noqa: E402
                                        time_or_error)
-from benchmarks.harness import matmul_ceiling_tflops  # noqa: E402
+from benchmarks.harness import matmul_ceiling_tflops, sm_clock_mhz  # noqa: E402
 from mjax.kernels.attention import dot_product_attention, why_unsupported  # noqa: E402
 from mjax.kernels.attention.flash import flash_attention  # noqa: E402
 from mjax.kernels.attention.flash_backward import flash_backward  # noqa: E402
@@ -241,12 +241,14 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
         unpacked = {impl: [] for impl in impls} if packed else None  # the same kernel without the ids, same passes
 
         def timed(impl, ids):
+            """(forward s, forward + backward s, error, the SM clock after each loop)."""
             fwd, fwd_bwd = fns[impl]
             f, err = time_or_error(fwd, q, k, v, ids, min_s=FLAGS.min_time_s)
-            fb = None
+            f_clock, fb, fb_clock = sm_clock_mhz(), None, None
             if f is not None and not skip_bwd[impl]:
                 fb, err = time_or_error(fwd_bwd, q, k, v, ids, do, min_s=FLAGS.min_time_s)
-            return f, fb, err
+                fb_clock = sm_clock_mhz()
+            return f, fb, err, f_clock, fb_clock
 
         # every implementation once a pass, as the clock drifts over a long run; a packed kernel also unpacked (the
         # packed target is a ratio to that), both in one clock state; odd passes reversed, so that a drift within a
@@ -285,6 +287,8 @@ def print_table_row(row):
     for title, key in ((" vs cuDNN", "x_cudnn"), (" of unpacked", "of_unpacked")):
         ratios = [f"{what} {row[p + key]:.3f}x" for what, p in (("fwd", "fwd_"), ("f+b", "fwd_bwd_")) if p + key in row]
         tail += f"{title}: {', '.join(ratios)}" if ratios else ""
+    clocks = [f"{a or '-'}/{b or '-'}" for a, b in zip(row.get("fwd_clock_mhz", ()), row.get("fwd_bwd_clock_mhz", ()))]
+    tail += f" MHz after fwd/f+b: {' '.join(clocks)}" if any(c != "-/-" for c in clocks) else ""
     tail += f" {row['error']}" if row["error"] else ""
     print(f"| {row['label']:28} | {row['seq']:6d} | {row['batch']:4d} | {cells[0]} | {cells[1]} |{tail}", flush=True)
 

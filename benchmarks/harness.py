@@ -1,7 +1,9 @@
-"""The benchmarks' shared harness: one timing helper, one per-pass ratio, one matmul ceiling, and the throughput of
-the real train step on synthetic data (with the ceiling measured in the same run), printed as one table."""
+"""The benchmarks' shared harness: one timing helper, one per-pass ratio, one matmul ceiling, the GPU's clock, and
+the throughput of the real train step on synthetic data (with the ceiling measured in the same run), printed as one
+table."""
 
 import dataclasses
+import subprocess
 import time
 
 import jax
@@ -32,6 +34,18 @@ def pass_ratios(mine, reference):
     ratio within one pass, so a clock drifting between passes cancels), or None if no pass ran both."""
     ratios = [r / m for m, r in zip(mine, reference) if m is not None and r is not None]
     return (float(np.median(ratios)), [min(ratios), max(ratios)]) if ratios else None
+
+
+def sm_clock_mhz() -> int | None:
+    """The first GPU's SM clock now, by nvidia-smi; None where there is no nvidia-smi or it reports none. Read right
+    after a timed loop it says in which clock state the loop ended: under sustained load the clock falls well below
+    its boost, by different amounts for different kernels."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "--id=0"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out.split()[0]) if out.split() and out.split()[0].isdigit() else None
 
 
 def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16) -> float:

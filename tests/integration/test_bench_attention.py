@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks.attention_cases import summarise_passes
-from benchmarks.harness import pass_ratios
+from benchmarks.harness import pass_ratios, sm_clock_mhz
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +54,25 @@ def test_a_kernels_row_holds_its_median_times_and_its_speedup_over_cudnn_within_
     assert "fwd_of_unpacked" not in row and "fwd_of_unpacked" not in one
 
 
+@pytest.mark.parametrize("prints, want", [("1755\n", 1755), ("[N/A]\n", None), (None, None)])
+def test_the_clock_is_nvidia_smis_number_or_none(tmp_path, monkeypatch, prints, want):
+    """A stand-in nvidia-smi on PATH printing a clock, printing none, or (None) no nvidia-smi at all."""
+    if prints is not None:
+        fake = tmp_path / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\nprintf '{prints}'\n")
+        fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert sm_clock_mhz() == want
+
+
+def test_a_row_holds_the_clock_read_after_each_of_its_loops_where_one_was_read():
+    timed = [(1.0, 4.0, None, 1980, 1755), (1.0, None, "OOM", 1410, None), (2.0, 8.0, None, None, 1500)]
+    row = summarise_passes({}, timed, None, flop=1e12, ceiling=10.0)
+    assert row["fwd_clock_mhz"] == [1980, 1410, None] and row["fwd_bwd_clock_mhz"] == [1755, None, 1500]
+    assert row["error"] == "OOM" and row["fwd_bwd_ms"] == 6000.0
+    assert "fwd_clock_mhz" not in summarise_passes({}, [t[:3] for t in timed], None, flop=1e12, ceiling=10.0)
+
+
 def test_a_packed_row_holds_its_time_over_the_unpacked_rows_within_each_pass():
     # the packed kernel takes about half the unpacked time; the clock halves in the last pass, the packed
     # forward + backward failed in the second, the unpacked one in the third
@@ -77,6 +96,7 @@ def time_or_error(fn, q, k, v, ids, *do, min_s):
 
 bench_attention.FLAGS = types.SimpleNamespace(passes=3, min_time_s=0.0)
 bench_attention.time_or_error = time_or_error
+bench_attention.sm_clock_mhz = lambda: len(calls)  # a "clock" naming the timing call it follows
 bench_attention.attention_fns = lambda impl, *_: (f"{impl} fwd", f"{impl} fwd_bwd")
 rows = []
 bench_attention.table((2, 1, 8), [16], 32, 64, {"pallas": None}, 1.0, True, rows, [])
@@ -88,7 +108,7 @@ def test_the_table_times_a_packed_kernel_unpacked_in_the_same_passes_in_alternat
     """table() with the timing stubbed (in a subprocess: the script's absl flags are global): a packed kernel's time
     is half its unpacked time (forward + backward four times its forward), so the per-pass ratios are 0.5 only if
     the unpacked calls got no ids and the packed ones the case's; the passes run unpacked then packed, then the
-    reverse."""
+    reverse; each pass's clock is the one read right after that pass's own loop."""
     proc = subprocess.run([sys.executable, "-c", TABLE_WITH_STUBBED_TIMING], cwd=ROOT,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,6 +123,9 @@ def test_the_table_times_a_packed_kernel_unpacked_in_the_same_passes_in_alternat
     case = [[fn.split()[1], with_ids] for fn, with_ids in calls[start:start + 12]]
     unpacked, packed_ = [["fwd", False], ["fwd_bwd", False]], [["fwd", True], ["fwd_bwd", True]]
     assert case == unpacked + packed_ + packed_ + unpacked + unpacked + packed_, case
+    # the stub's clock after call i (1-based) reads i: the packed row's passes followed calls 3-4, 5-6 and 11-12
+    assert packed["fwd_clock_mhz"] == [start + 3, start + 5, start + 11], packed
+    assert packed["fwd_bwd_clock_mhz"] == [start + 4, start + 6, start + 12], packed
 
 
 @pytest.mark.slow  # ~15 s on 2 cores, more when loaded: ~13 interpreted kernel compiles
