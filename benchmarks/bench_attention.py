@@ -19,7 +19,8 @@ run. One table and JSON.
    (odd passes in reverse order): rows hold the median of their passes' times and each kernel's speed-up over cuDNN
    as the median of the passes' own ratios (`*_x_cudnn`, with their range); a packed row's time over the same
    kernel's on unpacked rows, timed in the same passes, likewise (`*_of_unpacked`); the target checks use
-   --passes=3.
+   --passes=3. On the GPU each row also holds the SM clock read after each of its loops, per pass
+   (`*_clock_mhz`): a ratio means most between loops that ended at the same clock.
 TFLOP/s count the causal half: forward 4*B*N*T*T*H/2, forward + backward 3.5x that and the backward alone 2.5x
 (the flash convention: the backward's recomputation counted); packed rows count the full causal work. The
 kernels' correctness on the GPU: tests/gpu/test_attention_kernels.py.
@@ -215,8 +216,9 @@ def table_cases(seqs):
     return [(t, None, False) for t in seqs] + [(big, None, True), (big, window, False)]
 
 
-def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, rows, cudnn_skips):
-    """blocks: {impl: its block configuration} for pallas and mosaic (mosaic absent: no Hopper GPU)."""
+def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, rows, cudnn_skips, clock):
+    """blocks: {impl: its block configuration} for pallas and mosaic (mosaic absent: no Hopper GPU); clock() -> the
+    GPU's SM clock in MHz (or None), read after each timed loop."""
     n, _, h = heads
     for t, window, packed in table_cases(seqs):
         b = max(1, tokens // t)
@@ -237,17 +239,17 @@ def table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, ro
             impls.append(impl)
         fns = {impl: attention_fns(impl, blocks.get(impl), interpret, window) for impl in impls}
         skip_bwd = {impl: impl == "xla" and t > skip_xla_bwd_over for impl in impls}
-        times = {impl: [] for impl in impls}  # per pass: (forward s, forward + backward s, error)
+        times = {impl: [] for impl in impls}  # per pass: timed()'s 5 values
         unpacked = {impl: [] for impl in impls} if packed else None  # the same kernel without the ids, same passes
 
         def timed(impl, ids):
-            """(forward s, forward + backward s, error, the SM clock after each loop)."""
+            """(forward s, forward + backward s, error, the SM clock after each loop that ran)."""
             fwd, fwd_bwd = fns[impl]
             f, err = time_or_error(fwd, q, k, v, ids, min_s=FLAGS.min_time_s)
-            f_clock, fb, fb_clock = sm_clock_mhz(), None, None
+            f_clock, fb, fb_clock = None if f is None else clock(), None, None
             if f is not None and not skip_bwd[impl]:
                 fb, err = time_or_error(fwd_bwd, q, k, v, ids, do, min_s=FLAGS.min_time_s)
-                fb_clock = sm_clock_mhz()
+                fb_clock = None if fb is None else clock()
             return f, fb, err, f_clock, fb_clock
 
         # every implementation once a pass, as the clock drifts over a long run; a packed kernel also unpacked (the
@@ -369,7 +371,7 @@ def main():
 
     print("\n" + table_header(ceiling, heads), flush=True)
     table(heads, seqs, tokens, skip_xla_bwd_over, blocks, ceiling, interpret, report["table"],
-          report["cudnn_skipped"])
+          report["cudnn_skipped"], sm_clock_mhz if jax.default_backend() == "gpu" else lambda: None)
     save()
     failed = [r["label"] for r in report["table"] if r["impl"] in ("pallas", "mosaic") and r["error"]]
     if failed:

@@ -3,6 +3,7 @@ the throughput of the real train step on synthetic data (with the ceiling measur
 table."""
 
 import dataclasses
+import os
 import subprocess
 import time
 
@@ -37,11 +38,13 @@ def pass_ratios(mine, reference):
 
 
 def sm_clock_mhz() -> int | None:
-    """The first GPU's SM clock now, by nvidia-smi; None where there is no nvidia-smi or it reports none. Read right
-    after a timed loop it says in which clock state the loop ended: under sustained load the clock falls well below
-    its boost, by different amounts for different kernels."""
+    """The SM clock now of JAX's first GPU (the first of CUDA_VISIBLE_DEVICES where set; nvidia-smi takes its index
+    or UUID), by nvidia-smi; None where there is no nvidia-smi or it reports none. Read right after a timed loop
+    (nvidia-smi takes tens of ms to answer, the GPU idle meanwhile), it tells which clock state the loop ended in:
+    under sustained load the clock falls well below its boost, by different amounts for different kernels."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "--id=0"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", f"--id={gpu}"],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None

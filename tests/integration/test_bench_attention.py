@@ -66,11 +66,15 @@ def test_the_clock_is_nvidia_smis_number_or_none(tmp_path, monkeypatch, prints, 
 
 
 def test_a_row_holds_the_clock_read_after_each_of_its_loops_where_one_was_read():
+    # the second pass's forward + backward failed (no clock after it), the third read no clock after its forward
     timed = [(1.0, 4.0, None, 1980, 1755), (1.0, None, "OOM", 1410, None), (2.0, 8.0, None, None, 1500)]
-    row = summarise_passes({}, timed, None, flop=1e12, ceiling=10.0)
+    unpacked = [(2.0, 8.0, None, 1965, 1740)] * 3
+    row = summarise_passes({}, timed, None, flop=1e12, ceiling=10.0, unpacked_times=unpacked)
     assert row["fwd_clock_mhz"] == [1980, 1410, None] and row["fwd_bwd_clock_mhz"] == [1755, None, 1500]
+    assert row["unpacked_fwd_clock_mhz"] == [1965] * 3 and row["unpacked_fwd_bwd_clock_mhz"] == [1740] * 3
     assert row["error"] == "OOM" and row["fwd_bwd_ms"] == 6000.0
-    assert "fwd_clock_mhz" not in summarise_passes({}, [t[:3] for t in timed], None, flop=1e12, ceiling=10.0)
+    without = summarise_passes({}, [t[:3] for t in timed], None, flop=1e12, ceiling=10.0)
+    assert not any(key.endswith("clock_mhz") for key in without), without
 
 
 def test_a_packed_row_holds_its_time_over_the_unpacked_rows_within_each_pass():
@@ -96,10 +100,10 @@ def time_or_error(fn, q, k, v, ids, *do, min_s):
 
 bench_attention.FLAGS = types.SimpleNamespace(passes=3, min_time_s=0.0)
 bench_attention.time_or_error = time_or_error
-bench_attention.sm_clock_mhz = lambda: len(calls)  # a "clock" naming the timing call it follows
 bench_attention.attention_fns = lambda impl, *_: (f"{impl} fwd", f"{impl} fwd_bwd")
 rows = []
-bench_attention.table((2, 1, 8), [16], 32, 64, {"pallas": None}, 1.0, True, rows, [])
+# the "clock" names the timing call it follows
+bench_attention.table((2, 1, 8), [16], 32, 64, {"pallas": None}, 1.0, True, rows, [], lambda: len(calls))
 print(json.dumps({"rows": rows, "calls": calls}))
 """
 
@@ -126,6 +130,9 @@ def test_the_table_times_a_packed_kernel_unpacked_in_the_same_passes_in_alternat
     # the stub's clock after call i (1-based) reads i: the packed row's passes followed calls 3-4, 5-6 and 11-12
     assert packed["fwd_clock_mhz"] == [start + 3, start + 5, start + 11], packed
     assert packed["fwd_bwd_clock_mhz"] == [start + 4, start + 6, start + 12], packed
+    assert packed["unpacked_fwd_clock_mhz"] == [start + 1, start + 7, start + 9], packed
+    clocks = f"MHz after fwd/f+b: {start + 3}/{start + 4} {start + 5}/{start + 6} {start + 11}/{start + 12}"
+    assert clocks in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.slow  # ~15 s on 2 cores, more when loaded: ~13 interpreted kernel compiles
