@@ -38,8 +38,8 @@ def rate(row, prefix, flop, seconds, ceiling):
 
 
 def summarise_passes(row, times, cudnn_times, flop, ceiling, unpacked_times=None):
-    """row with the passes' timings (per pass: forward s, forward + backward s, error, and optionally the SM clocks
-    in MHz read after each of the two loops; None where not run): the median times as rates, the first error, the
+    """row with the passes' timings (per pass: forward s, forward + backward s, error, and the SM clocks in MHz
+    read after each of the two loops; None where not run or read): the median times as rates, the first error, the
     clocks per pass ('fwd_clock_mhz', 'fwd_bwd_clock_mhz', and the unpacked runs' as 'unpacked_fwd_clock_mhz',
     ...), and with cudnn_times (the same passes of cuDNN) the kernel's speed-up over cuDNN, the median of the
     passes' own ratios ('*_x_cudnn'; with several passes also their range); with unpacked_times (the same kernel on
@@ -49,9 +49,9 @@ def summarise_passes(row, times, cudnn_times, flop, ceiling, unpacked_times=None
     if unpacked_error := next((p[2] for p in unpacked_times or () if p[2]), None):
         row["unpacked_error"] = unpacked_error
     for m, (prefix, mult) in enumerate((("fwd_", 1.0), ("fwd_bwd_", 3.5))):
-        for name, timings in (("", times), ("unpacked_", unpacked_times or ())):
-            if any(len(p) > 3 for p in timings):
-                row[f"{name}{prefix}clock_mhz"] = [p[3 + m] if len(p) > 3 else None for p in timings]
+        for name, timings in (("", times), ("unpacked_", unpacked_times)):
+            if timings:
+                row[f"{name}{prefix}clock_mhz"] = [p[3 + m] for p in timings]
         ran = [p[m] for p in times if p[m] is not None]
         if ran:
             rate(row, prefix, mult * flop, float(np.median(ran)), ceiling)

@@ -48,7 +48,8 @@ def sm_clock_mhz() -> int | None:
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return int(out.split()[0]) if out.split() and out.split()[0].isdigit() else None
+    first = (out.split() or [""])[0]
+    return int(first) if first.isdigit() else None
 
 
 def matmul_ceiling_tflops(n: int | None = None, dtype=jnp.bfloat16) -> float:

@@ -41,8 +41,8 @@ def test_pass_ratios_are_taken_within_each_pass():
 def test_a_kernels_row_holds_its_median_times_and_its_speedup_over_cudnn_within_each_pass():
     # seconds (forward, forward + backward, error) over three passes, the clock halving in the last; the kernel's
     # forward + backward failed in the second
-    kernel = [(1.0, 4.0, None), (1.0, None, "OOM"), (2.0, 8.0, None)]
-    cudnn = [(1.1, 4.4, None), (1.2, 4.8, None), (2.2, 8.8, None)]
+    kernel = [(1.0, 4.0, None, None, None), (1.0, None, "OOM", None, None), (2.0, 8.0, None, None, None)]
+    cudnn = [(1.1, 4.4, None, None, None), (1.2, 4.8, None, None, None), (2.2, 8.8, None, None, None)]
     row = summarise_passes({}, kernel, cudnn, flop=1e12, ceiling=10.0)
     assert row["passes"] == 3 and row["error"] == "OOM"
     assert row["fwd_ms"] == 1000.0 and row["fwd_tflops"] == 1.0 and row["fwd_of_ceiling"] == 0.1
@@ -54,14 +54,22 @@ def test_a_kernels_row_holds_its_median_times_and_its_speedup_over_cudnn_within_
     assert "fwd_of_unpacked" not in row and "fwd_of_unpacked" not in one
 
 
-@pytest.mark.parametrize("prints, want", [("1755\n", 1755), ("[N/A]\n", None), (None, None)])
-def test_the_clock_is_nvidia_smis_number_or_none(tmp_path, monkeypatch, prints, want):
-    """A stand-in nvidia-smi on PATH printing a clock, printing none, or (None) no nvidia-smi at all."""
+@pytest.mark.parametrize("prints, visible, answers_id, want", [
+    ("1755", None, 0, 1755), ("[N/A]", None, 0, None), (None, None, 0, None),
+    ("1755", "3,1", 3, 1755), ("1755", "1", 3, None)])
+def test_the_clock_is_nvidia_smis_number_for_jaxs_first_gpu_or_none(tmp_path, monkeypatch, prints, visible,
+                                                                     answers_id, want):
+    """A stand-in nvidia-smi on PATH that prints `prints` only when asked for GPU `answers_id` (JAX's first GPU is
+    the first of CUDA_VISIBLE_DEVICES, else 0); (None) no nvidia-smi at all."""
     if prints is not None:
         fake = tmp_path / "nvidia-smi"
-        fake.write_text(f"#!/bin/sh\nprintf '{prints}'\n")
+        fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --id={answers_id} ] && echo "{prints}"; done\n')
         fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert sm_clock_mhz() == want
 
 
@@ -73,15 +81,15 @@ def test_a_row_holds_the_clock_read_after_each_of_its_loops_where_one_was_read()
     assert row["fwd_clock_mhz"] == [1980, 1410, None] and row["fwd_bwd_clock_mhz"] == [1755, None, 1500]
     assert row["unpacked_fwd_clock_mhz"] == [1965] * 3 and row["unpacked_fwd_bwd_clock_mhz"] == [1740] * 3
     assert row["error"] == "OOM" and row["fwd_bwd_ms"] == 6000.0
-    without = summarise_passes({}, [t[:3] for t in timed], None, flop=1e12, ceiling=10.0)
-    assert not any(key.endswith("clock_mhz") for key in without), without
+    alone = summarise_passes({}, timed, None, flop=1e12, ceiling=10.0)  # no unpacked runs: no clocks of theirs
+    assert not any(key.startswith("unpacked_") for key in alone), alone
 
 
 def test_a_packed_row_holds_its_time_over_the_unpacked_rows_within_each_pass():
     # the packed kernel takes about half the unpacked time; the clock halves in the last pass, the packed
     # forward + backward failed in the second, the unpacked one in the third
-    packed = [(0.5, 2.2, None), (0.6, None, "OOM"), (1.0, 4.2, None)]
-    unpacked = [(1.0, 4.0, None), (1.0, 4.0, None), (2.0, None, "OOM")]
+    packed = [(0.5, 2.2, None, None, None), (0.6, None, "OOM", None, None), (1.0, 4.2, None, None, None)]
+    unpacked = [(1.0, 4.0, None, None, None), (1.0, 4.0, None, None, None), (2.0, None, "OOM", None, None)]
     row = summarise_passes({}, packed, None, flop=1e12, ceiling=10.0, unpacked_times=unpacked)
     assert row["fwd_of_unpacked"] == pytest.approx(0.5) and row["fwd_of_unpacked_range"] == pytest.approx([0.5, 0.6])
     assert row["fwd_bwd_of_unpacked"] == pytest.approx(0.55)  # the one pass where both ran
