@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The masked-block A/B (lean_mask.diff) against a baseline tree, each tree in its own process, alternating new, base,
+# new, base; then, with `tests`, the Mosaic attention GPU tests of this checkout. From the repository root, before the
+# GPU call:  git archive HEAD mjax benchmarks | tar -x -C ab_base; git apply docs/ab/lean_mask.diff
+# and on the GPU:  bash docs/ab/run_mask.sh ab_base [tests]      (logs under $OUT, or ./ab_mask_out)
+base=${1:?usage: run_mask.sh BASELINE_TREE [tests]}
+out=${OUT:-ab_mask_out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_experimental_enable_fusion_autotuner=false
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
+for run in new#1 base#1 new#2 base#2; do
+  if [ "${run%#*}" = new ]; then pp=.; else pp=$base:.; fi
+  check=$([ "${run#*#}" = 1 ] && echo check)
+  log="$out/mask_${run/\#/_}.log"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$pp timeout 120 python "$(dirname "$0")/mask_ab.py" "$run" $check \
+    > "$log" 2>&1
+  echo "rc $?"; grep -E "RESULT|RATIO|ERROR|HASH" "$log" | cut -c1-220
+done
+if [ "${2:-}" = tests ]; then
+  JAX_PLATFORMS=cuda PYTHONPATH=. timeout 300 python -m pytest -q -m gpu tests/gpu/test_attention_kernels.py -n 4 \
+    -k mosaic > "$out/gpu_tests.log" 2>&1
+  echo "tests rc $?"; tail -3 "$out/gpu_tests.log"
+fi
