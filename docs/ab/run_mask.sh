@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The masked-block A/B (lean_mask.diff) against a baseline tree, each tree in its own process, alternating new, base,
-# new, base; then, with `tests`, the Mosaic attention GPU tests of this checkout. From the repository root, before the
-# GPU call:  git archive HEAD mjax benchmarks | tar -x -C ab_base; git apply docs/ab/lean_mask.diff
+# The masked-block A/B against a baseline tree, each tree in its own process, alternating new, base, new, base; then,
+# with `tests`, the Mosaic attention GPU tests of this checkout. The new tree is this checkout with one of the patches
+# beside this script applied (lean_mask.diff, or mask_cond.diff: the same and a branch to the segment compare alone).
+# From the repository root, before the GPU call:
+#   git archive HEAD mjax benchmarks | tar -x -C ab_base; git apply docs/ab/mask_cond.diff
 # and on the GPU:  bash docs/ab/run_mask.sh ab_base [tests]      (logs under $OUT, or ./ab_mask_out)
 base=${1:?usage: run_mask.sh BASELINE_TREE [tests]}
 out=${OUT:-ab_mask_out}; mkdir -p "$out"
