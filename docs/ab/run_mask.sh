@@ -2,9 +2,10 @@
 # The masked-block A/B against a baseline tree, each tree in its own process, alternating new, base, new, base; then,
 # with `tests`, the Mosaic attention GPU tests of this checkout. The new tree is this checkout with one of the patches
 # beside this script applied (lean_mask.diff, or mask_cond.diff: the same and a branch to the segment compare alone).
-# From the repository root, before the GPU call:
-#   git archive HEAD mjax benchmarks | tar -x -C ab_base; git apply docs/ab/mask_cond.diff
+# From the repository root, before running on the GPU machine:
+#   mkdir -p ab_base && git archive HEAD mjax benchmarks | tar -x -C ab_base; git apply docs/ab/mask_cond.diff
 # and on the GPU:  bash docs/ab/run_mask.sh ab_base [tests]      (logs under $OUT, or ./ab_mask_out)
+# The A/B takes up to 4 x 180 s and the tests up to 300 s more: where one command has less time, run them apart.
 base=${1:?usage: run_mask.sh BASELINE_TREE [tests]}
 out=${OUT:-ab_mask_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_FLAGS=--xla_gpu_experimental_enable_fusion_autotuner=false
@@ -13,7 +14,7 @@ for run in new#1 base#1 new#2 base#2; do
   if [ "${run%#*}" = new ]; then pp=.; else pp=$base:.; fi
   check=$([ "${run#*#}" = 1 ] && echo check)
   log="$out/mask_${run/\#/_}.log"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$pp timeout 120 python "$(dirname "$0")/mask_ab.py" "$run" $check \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=$pp timeout 180 python "$(dirname "$0")/mask_ab.py" "$run" $check \
     > "$log" 2>&1
   echo "rc $?"; grep -E "RESULT|RATIO|ERROR|HASH" "$log" | cut -c1-220
 done

@@ -1,7 +1,8 @@
 """Block steps of the Mosaic attention kernels on bench_attention's causal and packed rows (T=8192, B=4, the
 default blocks), counted from the kernels' own block runs: per kernel, the full (unmasked) and masked steps the
 compute warpgroups run and the steps a warpgroup skips (blocks of its program's union outside its own runs), per
-KV head's worth of work (heads multiply every count alike). `PYTHONPATH=. python packed_steps.py` on any machine."""
+KV head's worth of work (heads multiply every count alike). From the repository root, on any machine:
+    PYTHONPATH=. python docs/results/cpu-2026-12-08/packed_steps.py"""
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,14 +34,14 @@ blocks = MosaicBlocks()
 seg = packed_segments(B, T)
 kernels = (("forward", blocks.block_q, blocks.block_kv, True), ("dq", blocks.block_q_dq, blocks.block_kv_dq, True),
            ("dk/dv", blocks.block_q_dkv, blocks.block_kv_dkv, False))
-print("packed cut points per row:", [list(np.flatnonzero(np.diff(np.asarray(s))) + 1) for s in seg])
+print("packed cut points per row:", [(np.flatnonzero(np.diff(np.asarray(s))) + 1).tolist() for s in seg])
 for name, bq, bk, by_query in kernels:
     c, p = steps(None, bq, bk, by_query), steps(seg, bq, bk, by_query)
     print(f"{name:8} causal {c}\n{'':8} packed {p}")
     print(f"{'':8} packed / causal: union steps {p['union'] / c['union']:.3f}, own steps "
-          f"{(p['full'] + p['masked']) / (c['full'] + c['masked']):.3f}; masked steps cost m full steps -> "
-          + ", ".join(f"m={m}: {(p['full'] + m * p['masked']) / (c['full'] + m * c['masked']):.3f}"
-                      for m in (1.0, 1.5, 2.0)))
+          f"{(p['full'] + p['masked']) / (c['full'] + c['masked']):.3f}")
+    print(f"{'':8} if a masked step costs m full steps: " + ", ".join(
+        f"m={m}: {(p['full'] + m * p['masked']) / (c['full'] + m * c['masked']):.3f}" for m in (1.0, 1.5, 2.0)))
 q = np.arange(T)
 causal_pairs = B * T * (T + 1) // 2
 same = (np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :]) & (q[None, None, :] <= q[None, :, None])
