@@ -9,6 +9,7 @@ import numpy as np
 from benchmarks.bench_attention import packed_segments
 from mjax.kernels.attention.flash_common import MaskSpec
 from mjax.kernels.attention.mosaic import MosaicBlocks, block_runs
+from mjax.kernels.attention.mosaic_common import union_of_runs
 
 T, B = 8192, 4
 
@@ -22,10 +23,8 @@ def steps(seg, block_q, block_kv, by_query):
     own = np.maximum(hi - lo, 0)
     full = np.maximum(full_hi - full_lo, 0)
     pairs = runs.reshape(B, -1, 2, 4)  # a program's item: two tiles, one per compute warpgroup
-    e = pairs[..., 0] >= pairs[..., 3]
-    union_lo = np.where(e[..., 0], pairs[..., 1, 0], np.where(e[..., 1], pairs[..., 0, 0], pairs[..., :, 0].min(-1)))
-    union_hi = np.where(e[..., 0], pairs[..., 1, 3], np.where(e[..., 1], pairs[..., 0, 3], pairs[..., :, 3].max(-1)))
-    union = np.maximum(union_hi - union_lo, 0)
+    union_lo, union_hi = union_of_runs(pairs[..., 0, 0], pairs[..., 0, 3], pairs[..., 1, 0], pairs[..., 1, 3])
+    union = np.asarray(union_hi - union_lo)  # the kernels' own union: what a program's memory warpgroup streams
     return dict(full=int(full.sum()), masked=int((own - full).sum()), skipped=int(2 * union.sum() - own.sum()),
                 items=pairs.shape[0] * pairs.shape[1], union=int(union.sum()))
 
